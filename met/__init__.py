@@ -1,0 +1,8 @@
+"""met: an LLM inference engine on PyTorch — paged, prefix-cached KV, continuous batching."""
+
+from met.engine.llm import LLM
+from met.outputs import CompletionOutput, RequestOutput
+from met.sampling.params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -1,0 +1,1 @@
+"""Paged KV block accounting and the prefix cache."""

@@ -1,0 +1,1 @@
+"""EngineCore (the step loop) and the offline LLM front."""

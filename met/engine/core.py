@@ -1,0 +1,167 @@
+"""EngineCore: owns all mutable engine state; step() = schedule → run model → sample → update."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from met.cache.kv_manager import KVCacheManager, KVStats
+from met.config import EngineConfig
+from met.loader.model_loader import LoadedModel, load_model
+from met.runner.model_runner import ModelRunner, kv_bytes_per_block
+from met.sampling.params import SamplingParams
+from met.sampling.sampler import Sampler
+from met.scheduler.request import Request
+from met.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_KV_CAP = 2 << 30  # bytes: default pool ceiling when kv_cache_memory is unset
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | None
+    num_cached_tokens: int
+
+
+class EngineCore:
+    """The single owner of scheduler, KV pool, model runner and sampler."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        self.loaded = loaded or load_model(
+            config.model, dtype, self.device, config.max_model_len, config.cache_dir
+        )
+        self.max_model_len = self.loaded.max_model_len
+        num_blocks = self._num_blocks(dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
+                                  self.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        log.info("KV cache: %d blocks x %d tokens = %d tokens", num_blocks, config.block_size,
+                 num_blocks * config.block_size)
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        per_block = kv_bytes_per_block(self.loaded.model, self.config.block_size, dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            full = self.config.max_num_seqs * self.max_model_len * per_block // self.config.block_size
+            budget = min(full, _DEFAULT_KV_CAP)
+        num_blocks = budget // per_block
+        min_blocks = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes holds no KV block ({per_block} bytes each)"
+            )
+        if num_blocks < min_blocks:
+            log.warning("KV pool (%d blocks) cannot hold one max_model_len sequence (%d blocks)",
+                        num_blocks, min_blocks)
+        return num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv.pool.num_blocks * self.config.block_size
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; raises ValueError for input that can never be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.loaded.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds max_model_len ({self.max_model_len})"
+            )
+        blocks_needed = -(-total // self.config.block_size)
+        if blocks_needed > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens needs {blocks_needed} KV blocks but the pool "
+                f"has {self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
+        req = Request(request_id, list(prompt_token_ids), params,
+                      eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def kv_stats(self) -> KVStats:
+        return self.kv.stats()
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one engine step and report every request that produced a token or finished."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        tables = {s.request.request_id: self.kv.block_table(s.request.request_id)
+                  for s in sched.scheduled}
+        step_logits = self.runner.execute(sched, tables)
+
+        for item in sched.scheduled:
+            req = item.request
+            req.num_computed_tokens += item.num_new_tokens
+            self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                           req.cache_extra_keys)
+
+        if not step_logits.request_ids:
+            return []
+        reqs = [self.requests[rid] for rid in step_logits.request_ids]
+        result = self.sampler(step_logits.logits, reqs)
+        updates = []
+        for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
+            req.all_token_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            self._check_stop(req, token)
+            updates.append(RequestUpdate(
+                req.request_id, [token], [lp] if lp is not None else [], req.is_finished,
+                req.finish_reason, req.stop_reason, req.num_cached_tokens or 0,
+            ))
+            if req.is_finished:
+                del self.requests[req.request_id]
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                self.scheduler.finish(req, "stop")
+                return
+            if not p.ignore_eos and token in req.eos_token_ids:
+                self.scheduler.finish(req, "stop")
+                return
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self.scheduler.finish(req, "length")
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.pool.reset_prefix_cache()
+

@@ -1,0 +1,147 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))`` (vLLM's shape)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from met.cache.kv_manager import KVStats
+from met.config import EngineConfig
+from met.engine.core import EngineCore
+from met.outputs import CompletionOutput, RequestOutput
+from met.sampling.params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching.
+
+    A prompt is a string or ``{"prompt_token_ids": [...]}``. Outputs come back in prompt order.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        cache_dir: str | None = None,
+        seed: int = 0,
+    ):
+        self.config = EngineConfig(
+            model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching, cache_dir=cache_dir, seed=seed,
+        )
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.loaded.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = _broadcast_params(sampling_params, len(prompts))
+        entries = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._tokenize(prompt)
+            rid = str(next(self._ids))
+            entries.append((rid, text, token_ids, params))
+        try:
+            for rid, _, token_ids, params in entries:
+                self.engine.add_request(rid, token_ids, params)
+            finished = self._run_to_completion()
+        except BaseException:
+            for rid, *_ in entries:
+                self.engine.abort_request(rid)
+            raise
+        return [self._make_output(rid, text, ids, params, finished[rid])
+                for rid, text, ids, params in entries]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        template = chat_template or self.engine.loaded.chat_template
+        if self.tokenizer is None or not template:
+            raise ValueError("chat: this model has no chat template; pass chat_template=")
+        prompts = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(
+                conv, chat_template=template, add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=False, **template_kwargs,
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params)
+
+    def kv_stats(self) -> KVStats:
+        """Blocks total / held by live requests / holding cached prefixes / free."""
+        return self.engine.kv_stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+        return prompt, list(self.tokenizer(prompt)["input_ids"])
+
+    def _run_to_completion(self) -> dict[str, list]:
+        updates_by_id: dict[str, list] = {}
+        while self.engine.has_unfinished():
+            for update in self.engine.step():
+                updates_by_id.setdefault(update.request_id, []).append(update)
+        return updates_by_id
+
+    def _make_output(self, rid: str, text: str | None, prompt_ids: list[int],
+                     params: SamplingParams, updates: list) -> RequestOutput:
+        token_ids = [t for u in updates for t in u.new_token_ids]
+        logprobs = [lp for u in updates for lp in u.new_logprobs]
+        last = updates[-1]
+        out_text = self._detokenize(token_ids)
+        completion = CompletionOutput(
+            index=0, text=out_text, token_ids=token_ids, finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            logprobs=logprobs if params.logprobs is not None else None,
+        )
+        return RequestOutput(rid, text, prompt_ids, [completion], finished=True,
+                             num_cached_tokens=last.num_cached_tokens)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None,
+                      n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    return list(params)

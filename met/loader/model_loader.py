@@ -1,0 +1,81 @@
+"""Model argument → ready model on its device, plus tokenizer, chat template and EOS ids."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from met.loader.resolve import ModelSource, resolve_model
+from met.loader.safetensors_dir import config_eos_ids, generation_eos_ids, iter_safetensors
+from met.models.base import CausalLM
+from met.models.registry import model_class_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    hf_config: Any
+    tokenizer: Any | None
+    chat_template: str | None
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    source: ModelSource
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
+               max_model_len: int | None, cache_dir: str | None = None) -> LoadedModel:
+    """Resolve, read config/tokenizer, build the model class and load weights into it."""
+    source = resolve_model(model, cache_dir)
+    if source.kind == "gguf":
+        from met.loader.gguf import load_gguf
+
+        ckpt = load_gguf(source.path)
+        config, tokenizer, weights = ckpt.config, ckpt.tokenizer, ckpt.weights()
+        chat_template = ckpt.chat_template
+        eos = set(ckpt.eos_token_ids)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(source.path))
+        if _is_multimodal(config):  # e.g. Gemma 3 4B+: serve its text model
+            config = config.text_config
+        tokenizer = _load_tokenizer(source.path)
+        chat_template = getattr(tokenizer, "chat_template", None) if tokenizer else None
+        weights = iter_safetensors(source.path)
+        eos = set(generation_eos_ids(source.path)) | set(config_eos_ids(config))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+
+    cls = model_class_for(config)
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings ({limit})"
+        )
+    max_len = max_model_len or limit
+    with torch.device(device):
+        net = cls(config, dtype, max_positions=max_len)
+    net.load_weights(weights)
+    net.eval()
+    log.info("loaded %s (%s) from %s", type(net).__name__, dtype, source.path)
+    return LoadedModel(net, config, tokenizer, chat_template, frozenset(eos), max_len, source)
+
+
+def _is_multimodal(config: Any) -> bool:
+    return getattr(config, "text_config", None) is not None
+
+
+def _load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None when it ships none (token-id prompts only)."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                              "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

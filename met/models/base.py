@@ -1,0 +1,81 @@
+"""What every model family provides to the runner, and shared weight-loading logic."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from met.layers.attention import KVCache
+from met.layers.batch import ForwardBatch
+
+
+class CausalLM(nn.Module, ABC):
+    """Base class: forward() gives hidden states, compute_logits() the float32 logits.
+
+    Subclasses set ``kv_layout`` = (num_layers, num_kv_heads, head_dim) so the runner can
+    size the paged KV cache, and build modules whose parameter names match Hugging Face
+    checkpoints, so loading is a name lookup.
+    """
+
+    kv_layout: tuple[int, int, int]
+    tie_word_embeddings: bool = False
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+        """Hidden states [T, hidden] for the flat batch, writing its KV into kv_caches."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the selected hidden rows."""
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint name → parameter name; None skips the tensor. Override to rename."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into parameters; fail naming any parameter left unset."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            name = self.map_weight_name(ckpt_name)
+            if name is None:
+                continue
+            filled = self.load_special_weight(name, tensor, params)
+            if filled:
+                loaded.update(filled)
+                continue
+            if name not in params:
+                if name.startswith("lm_head.") and self.tie_word_embeddings:
+                    continue
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of the model")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in params if n not in loaded and not self._is_tied(n)]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+    def load_special_weight(
+        self, name: str, tensor: torch.Tensor, params: dict[str, Any]
+    ) -> list[str]:
+        """Hook for tensors that fill part of a parameter (stacked experts).
+
+        Returns the names of the parameters it filled; empty when the tensor is not special.
+        """
+        return []
+
+    def _is_tied(self, name: str) -> bool:
+        return self.tie_word_embeddings and name == "lm_head.weight"
+
+
+def config_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

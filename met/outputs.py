@@ -1,0 +1,26 @@
+"""Result objects, shaped like vLLM's so code written against it reads the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

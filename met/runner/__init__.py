@@ -1,0 +1,1 @@
+"""Turns a scheduled step into tensors, runs the model, returns logits."""

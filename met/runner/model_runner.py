@@ -1,0 +1,86 @@
+"""ModelRunner: owns the model and its KV tensors; turns a scheduled step into logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from met.layers.batch import ForwardBatch, SeqSpan
+from met.models.base import CausalLM
+from met.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """Float32 logits for the requests whose last scheduled token reached their end."""
+
+    request_ids: list[str]
+    logits: torch.Tensor  # [len(request_ids), vocab]
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    layers, kv_heads, head_dim = model.kv_layout
+    return 2 * layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Runs the model over the flat batch of one step and returns the logits to sample."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        layers, kv_heads, head_dim = model.kv_layout
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
+        batch, sample_rows, sample_ids = self._build_batch(step, block_tables)
+        hidden = self.model(batch, self.kv_caches)
+        if not sample_rows:
+            return StepLogits([], torch.empty(0))
+        rows = torch.tensor(sample_rows, device=self.device)
+        return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]))
+
+    def _build_batch(
+        self, step: SchedulerOutput, block_tables: dict[str, list[int]]
+    ) -> tuple[ForwardBatch, list[int], list[str]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[SeqSpan] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        bs = self.block_size
+        for item in step.scheduled:
+            req, n = item.request, item.num_new_tokens
+            start = req.num_computed_tokens
+            end = start + n
+            table = block_tables[req.request_id]
+            q_start = len(ids)
+            ids.extend(req.all_token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            num_ctx_blocks = -(-end // bs)
+            spans.append(SeqSpan(q_start, n, end, torch.tensor(table[:num_ctx_blocks],
+                                                               device=self.device)))
+            if end == req.num_tokens:  # caught up: this row's logits give the next token
+                sample_rows.append(q_start + n - 1)
+                sample_ids.append(req.request_id)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            seqs=tuple(spans),
+            block_size=bs,
+        )
+        return batch, sample_rows, sample_ids

@@ -1,0 +1,1 @@
+"""Token-budget scheduler: decode first, then prefill chunks, with preemption."""

@@ -1,0 +1,73 @@
+"""A request's state as the scheduler and engine core see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from met.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Prompt + generated tokens, and how far the KV cache has caught up with them.
+
+    The scheduler's one rule: num_computed_tokens catches up to len(all_token_ids).
+    Prefill, chunking, prefix hits and recompute after preemption are all that rule.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def cache_extra_keys(self) -> tuple:
+        """What besides the tokens makes this request's KV different (a salt, later adapters)."""
+        return (self.cache_salt,) if self.cache_salt else ()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,115 @@
+"""Each step: running requests first, then waiting ones, under one token budget.
+
+A request's work is always `num_tokens - num_computed_tokens`: one token for a decode,
+the rest of the prompt for a prefill. A non-final chunk ends on a KV block boundary so
+later chunks stay on the block grid. When blocks run out the newest running request is
+preempted: its blocks are freed (their hashes stay cached) and it re-prefills later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from met.cache.kv_manager import KVCacheManager
+from met.scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens to compute this step, starting at num_computed_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting queue and running list; decides what each step computes."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_len(req, req.num_computed_tokens, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing after it is left in running
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+
+        # Admit new work only when nobody had to be evicted this step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys)
+            start = len(prefix) * self.kv.block_size
+            n = self._chunk_len(req, start, budget)
+            if n == 0 or not self.kv.allocate(req.request_id, start + n, prefix):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = start
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = start
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def _chunk_len(self, req: Request, start: int, budget: int) -> int:
+        remaining = req.num_tokens - start
+        if remaining <= budget:
+            return remaining
+        # A partial chunk stops on a block boundary; 0 if none fits in the budget.
+        end = (start + budget) // self.kv.block_size * self.kv.block_size
+        return max(0, end - start)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark finished and free its blocks at once (also used for aborts)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req.request_id)
