@@ -40,6 +40,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # total since start: tests and metrics read it
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -101,6 +102,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 

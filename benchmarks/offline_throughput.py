@@ -1,0 +1,102 @@
+"""Offline throughput: met's LLM.generate vs transformers' generate, same model, same prompts.
+
+    python benchmarks/offline_throughput.py [--model PATH] [--num-prompts 64] [--isl 128]
+        [--osl 128] [--dtype float32] [--hf-batch-size 64] [--skip-hf]
+
+Prompts are random token ids of exactly --isl tokens (no padding needed on either side);
+every request generates exactly --osl tokens (ignore_eos / min_new_tokens). Prints one
+JSON line per engine and the speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+
+def _prompts(n: int, isl: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Skip the low ids, where special tokens usually live.
+    return torch.randint(100, vocab, (n, isl), generator=g).tolist()
+
+
+def run_met(args, llm, prompts) -> dict:
+    from met import SamplingParams
+
+    params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2))  # warm-up
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"engine": "met", "dtype": args.dtype, "seconds": elapsed, "output_tokens": n_out,
+            "output_tok_s": n_out / elapsed,
+            "total_tok_s": (n_out + len(prompts) * args.isl) / elapsed}
+
+
+def run_hf(args, prompts) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from met.loader.resolve import resolve_model
+
+    src = resolve_model(args.model)
+    kwargs = {"dtype": torch.float32 if args.dtype in ("auto", "float32") else torch.bfloat16}
+    if src.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(src.path.parent),
+                                                     gguf_file=src.path.name, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(src.path), **kwargs)
+    model.eval()
+    n_out = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), args.hf_batch_size):
+            batch = torch.tensor(prompts[i : i + args.hf_batch_size])
+            out = model.generate(batch, attention_mask=torch.ones_like(batch),
+                                 max_new_tokens=args.osl, min_new_tokens=args.osl,
+                                 do_sample=False, pad_token_id=0)
+            n_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+    elapsed = time.perf_counter() - start
+    return {"engine": "transformers", "dtype": str(kwargs["dtype"]).removeprefix("torch."),
+            "hf_batch_size": args.hf_batch_size, "seconds": elapsed, "output_tokens": n_out,
+            "output_tok_s": n_out / elapsed,
+            "total_tok_s": (n_out + len(prompts) * args.isl) / elapsed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--osl", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+
+    from met import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.isl + args.osl + 16,
+              max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = _prompts(args.num_prompts, args.isl, llm.engine.loaded.hf_config.vocab_size)
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "torch": torch.__version__, "threads": torch.get_num_threads()}
+    print(json.dumps({"machine": machine, "args": vars(args)}))
+    met_res = run_met(args, llm, prompts)
+    print(json.dumps(met_res))
+    del llm
+    if not args.skip_hf:
+        hf_res = run_hf(args, prompts)
+        print(json.dumps(hf_res))
+        print(json.dumps({"speedup_output_tok_s": met_res["output_tok_s"] / hf_res["output_tok_s"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Load a GGUF checkpoint: config, tokenizer and float32 weights under Hugging Face names.
+
+The config and tokenizer come from transformers' own GGUF support; the weights are read here,
+one tensor at a time, so that loading a model never holds more than one dequantized tensor
+beyond what the caller keeps.
+
+llama.cpp's converter changes some tensors on the way into GGUF; this module undoes that so
+every tensor matches the layout of the original Hugging Face checkpoint:
+
+* llama/mistral: the rows of the Q and K projections are permuted from HF's "rotate half"
+  rope layout to the interleaved (GPT-J style) layout that ggml's rope kernel uses.
+* gemma3: every RMSNorm weight is stored as (w + 1), because Gemma's RMSNorm multiplies by
+  (1 + w) and ggml's multiplies by w.
+* MoE models: each layer's experts are stacked into one [E, ...] tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "gemma3",
+)
+
+# Architectures whose Q/K rows llama.cpp permutes to the interleaved rope layout.
+# Qwen2/Qwen3/Gemma3 use NEOX-style rope in ggml, which matches HF's layout as is.
+_QK_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
+
+# Architectures whose RMSNorm weights llama.cpp stores as (w + 1).
+_NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma3"})
+
+_TOP_LEVEL_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    }
+)
+
+# Per-layer names shared by every supported architecture (GGUF part -> HF module path).
+_BLOCK_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "attn_norm": "input_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "ffn_gate_inp": "mlp.gate",
+    }
+)
+
+# The norm around the MLP: llama-like models have one (called post_attention_layernorm in HF),
+# Gemma3 has a pre/post pair around both attention and MLP.
+_LLAMA_NORM_NAMES: Mapping[str, str] = MappingProxyType({"ffn_norm": "post_attention_layernorm"})
+_GEMMA3_NORM_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+)
+
+# Stacked MoE expert tensors [E, out, in] -> per-expert projection names.
+_EXPERT_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "ffn_gate_exps": "gate_proj",
+        "ffn_up_exps": "up_proj",
+        "ffn_down_exps": "down_proj",
+    }
+)
+
+# Tensors that are not parameters of the HF model: llama3's rope_freqs holds the rope-scaling
+# factors, which HF recomputes from config.rope_scaling.
+_SKIPPED_TENSORS = frozenset({"rope_freqs"})
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF model file opened for loading.
+
+    config and tokenizer are built by transformers from the GGUF metadata; weights() streams
+    the parameters, dequantized to float32, under HF transformers' names and shapes.
+    """
+
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    chat_template: str | None
+    eos_token_ids: list[int]
+    path: str
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (hf_parameter_name, float32 tensor) pairs, one tensor at a time.
+
+        lm_head.weight is yielded only when the file has its own output.weight; tied models
+        reuse model.embed_tokens.weight. MoE experts are yielded one expert at a time as
+        model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight.
+        """
+        reader = gguf.GGUFReader(self.path)
+        arch = _architecture(reader)
+        n_head = int(_field(reader, f"{arch}.attention.head_count"))
+        n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+        block_names = _block_names(arch)
+        # The parsed metadata (mostly the vocabulary, ~600 MiB of small numpy objects for a
+        # 262k-token vocab) is not needed past this point; the tensors keep their own info.
+        reader.fields.clear()
+        for tensor in reader.tensors:
+            yield from _convert(tensor, arch, block_names, n_head, n_head_kv)
+
+
+def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """Open a GGUF file: read its config, tokenizer, chat template and EOS ids.
+
+    Weights are not read here; iterate GGUFCheckpoint.weights() for them.
+    Raises ValueError if the file's architecture is not one of SUPPORTED_ARCHITECTURES.
+    """
+    path = os.fspath(path)
+    reader = gguf.GGUFReader(path)
+    # Check the architecture before transformers does, so the error names what *we* support.
+    _architecture(reader)
+    eos_keys = (
+        gguf.Keys.Tokenizer.EOS_ID,
+        gguf.Keys.Tokenizer.EOT_ID,
+        gguf.Keys.Tokenizer.EOM_ID,
+    )
+    eos_token_ids: list[int] = []
+    for key in eos_keys:
+        token_id = _field(reader, key)
+        if token_id is not None and int(token_id) not in eos_token_ids:
+            eos_token_ids.append(int(token_id))
+    chat_template = _field(reader, gguf.Keys.Tokenizer.CHAT_TEMPLATE)
+    # The reader memory-maps the whole file; drop it before transformers opens its own.
+    del reader
+
+    directory, name = os.path.split(os.path.abspath(path))
+    return GGUFCheckpoint(
+        config=AutoConfig.from_pretrained(directory, gguf_file=name),
+        tokenizer=AutoTokenizer.from_pretrained(directory, gguf_file=name),
+        chat_template=chat_template,
+        eos_token_ids=eos_token_ids,
+        path=path,
+    )
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """The value of a metadata key, or default when the file does not have it."""
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _architecture(reader: gguf.GGUFReader) -> str:
+    arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _block_names(arch: str) -> dict[str, str]:
+    norms = _GEMMA3_NORM_NAMES if arch == "gemma3" else _LLAMA_NORM_NAMES
+    return {**_BLOCK_NAMES, **norms}
+
+
+def _convert(
+    tensor: gguf.ReaderTensor,
+    arch: str,
+    block_names: Mapping[str, str],
+    n_head: int,
+    n_head_kv: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Map one GGUF tensor to the HF parameter(s) it holds, undoing llama.cpp's changes."""
+    base, kind = tensor.name.rsplit(".", 1)  # kind is "weight" or "bias"
+    if base in _SKIPPED_TENSORS:
+        return
+    if not base.startswith("blk."):
+        if base not in _TOP_LEVEL_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {tensor.name!r} for architecture {arch!r}")
+        hf_name = f"{_TOP_LEVEL_NAMES[base]}.{kind}"
+        yield hf_name, _fix_norm(_dequantize(tensor.data, tensor), hf_name, arch)
+        return
+
+    _, layer, part = base.split(".", 2)
+    prefix = f"model.layers.{int(layer)}"
+    if part in _EXPERT_NAMES:
+        # Dequantize expert by expert: the stacked tensor can be far bigger than one expert.
+        for expert in range(tensor.data.shape[0]):
+            weight = _dequantize(tensor.data[expert], tensor, leading_dims_dropped=1)
+            yield f"{prefix}.mlp.experts.{expert}.{_EXPERT_NAMES[part]}.{kind}", weight
+        return
+    if part not in block_names:
+        raise ValueError(f"unexpected GGUF tensor {tensor.name!r} for architecture {arch!r}")
+
+    hf_name = f"{prefix}.{block_names[part]}.{kind}"
+    weight = _dequantize(tensor.data, tensor)
+    if arch in _QK_PERMUTED_ARCHITECTURES and part in ("attn_q", "attn_k"):
+        weight = _unpermute_qk(weight, n_head if part == "attn_q" else n_head_kv)
+    yield hf_name, _fix_norm(weight, hf_name, arch)
+
+
+def _dequantize(
+    data: np.ndarray, tensor: gguf.ReaderTensor, leading_dims_dropped: int = 0
+) -> torch.Tensor:
+    """Dequantize raw GGUF data to a float32 torch tensor in HF (row-major, [out, in]) shape.
+
+    ggml lists dimensions innermost first, so the torch shape is the GGUF shape reversed.
+    leading_dims_dropped says how many outer dimensions `data` has already been indexed away.
+    """
+    shape = tuple(int(d) for d in reversed(tensor.shape))[leading_dims_dropped:]
+    array = np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+    if not array.flags.writeable:
+        # F32 tensors come back as views of the read-only memory map; copy so the tensor owns
+        # writable memory and the file can be closed.
+        array = array.copy()
+    return torch.from_numpy(array.reshape(shape))
+
+
+def _unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (works for weights [out, in] and biases [out]).
+
+    Within each head HF orders rows as [first half | second half] of the rotary dims; llama.cpp
+    interleaves them (row 2i is first-half row i, row 2i+1 is second-half row i).
+    """
+    rows = weight.shape[0]
+    half = rows // n_head // 2
+    rest = weight.shape[1:]
+    return weight.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _fix_norm(weight: torch.Tensor, hf_name: str, arch: str) -> torch.Tensor:
+    """Undo the +1 llama.cpp adds to Gemma's norm weights (every `*norm.weight`)."""
+    if arch in _NORM_SHIFTED_ARCHITECTURES and hf_name.endswith("norm.weight"):
+        return weight - 1.0
+    return weight

@@ -1,0 +1,56 @@
+"""The real models shipped as PyPI packages: met's greedy output equals transformers' on
+the same GGUF file, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from met import LLM, SamplingParams
+from met.loader.resolve import default_model_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+def _hf_greedy(model, tokenizer, text: str, n: int) -> list[int]:
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    # Like ignore_eos: no EOS stops it, and (unlike min_new_tokens) EOS stays selectable.
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_embedded_smollm2_greedy_64_tokens_match_transformers():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    llm = LLM(None, dtype="float32", max_model_len=512)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    ours = llm.generate(PROMPTS, params)
+    assert llm.kv_stats().num_blocks_in_use == 0
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text, out in zip(PROMPTS, ours, strict=True):
+        assert out.prompt_token_ids == tok(text).input_ids
+        assert out.outputs[0].token_ids == _hf_greedy(hf, tok, text, 64), text
+    # The answer a user would see for the first prompt is sensible text, not noise.
+    assert "Paris" in ours[0].outputs[0].text
+
+
+def test_embedded_smollm2_chat_uses_its_template_and_stops_at_eos():
+    llm = LLM(None, dtype="float32", max_model_len=512)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids[-1] == 2  # <|im_end|>
