@@ -70,7 +70,8 @@ def run_hf(args, prompts) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--isl", type=int, default=128)
@@ -95,7 +96,8 @@ def main() -> None:
     if not args.skip_hf:
         hf_res = run_hf(args, prompts)
         print(json.dumps(hf_res))
-        print(json.dumps({"speedup_output_tok_s": met_res["output_tok_s"] / hf_res["output_tok_s"]}))
+        speedup = met_res["output_tok_s"] / hf_res["output_tok_s"]
+        print(json.dumps({"speedup_output_tok_s": speedup}))
 
 
 if __name__ == "__main__":

@@ -5,4 +5,4 @@ from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, tokens: Sequence[int], extra_keys: tuple = ()
+) -> BlockHash:
     """Hash one full block. extra_keys carry what else changes its KV: adapter id, cache salt.
 
     blake2b over a fixed encoding: cheap for 16 tokens and, unlike hash(), stable across

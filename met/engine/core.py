@@ -59,7 +59,8 @@ class EngineCore:
         per_block = kv_bytes_per_block(self.loaded.model, self.config.block_size, dtype)
         budget = self.config.kv_cache_memory
         if budget is None:
-            full = self.config.max_num_seqs * self.max_model_len * per_block // self.config.block_size
+            full_seqs = self.config.max_num_seqs * self.max_model_len
+            full = full_seqs * per_block // self.config.block_size
             budget = min(full, _DEFAULT_KV_CAP)
         num_blocks = budget // per_block
         min_blocks = -(-self.max_model_len // self.config.block_size)

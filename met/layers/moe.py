@@ -33,7 +33,8 @@ class SparseMoE(nn.Module):
         for e in torch.unique(experts).tolist():
             token_idx, slot = torch.where(experts == e)
             h = x[token_idx]
-            h = self.act(F.linear(h, self.experts.gate_proj[e])) * F.linear(h, self.experts.up_proj[e])
+            gate = F.linear(h, self.experts.gate_proj[e])
+            h = self.act(gate) * F.linear(h, self.experts.up_proj[e])
             h = F.linear(h, self.experts.down_proj[e]) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, h)
         return out

@@ -51,7 +51,9 @@ class CausalLM(nn.Module, ABC):
             if name not in params:
                 if name.startswith("lm_head.") and self.tie_word_embeddings:
                     continue
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of the model")
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} matches no parameter of the model"
+                )
             param = params[name]
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(

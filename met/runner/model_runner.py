@@ -21,7 +21,8 @@ class StepLogits:
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     layers, kv_heads, head_dim = model.kv_layout
-    return 2 * layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * layers * block_size * kv_heads * head_dim * itemsize
 
 
 class ModelRunner:

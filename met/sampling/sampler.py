@@ -27,6 +27,7 @@ class Sampler:
         # Unseeded requests share this engine generator (reproducible for a fixed run).
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         logits = logits.float()
         raw_logprobs = None

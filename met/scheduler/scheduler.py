@@ -73,7 +73,8 @@ class Scheduler:
             i += 1
 
         # Admit new work only when nobody had to be evicted this step.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys)
             start = len(prefix) * self.kv.block_size

@@ -1,0 +1,578 @@
+"""Tiny random Hugging Face checkpoints and a transformers greedy oracle.
+
+``build_tiny_checkpoint(arch, out_dir)`` writes a complete model directory (config.json,
+model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json with a
+ChatML chat template) for a 2-layer, hidden-64, head_dim-16, 4-head / 2-kv-head (GQA)
+float32 model of the given architecture. ``hf_greedy`` runs the transformers model on it
+and returns the greedy tokens and their logprobs: the reference met must reproduce.
+
+Random tiny models have near-flat logits (default init std 0.02), so greedy decoding would
+hinge on ties and tell nothing. Every weight is therefore re-initialised here (``_reinit``):
+fan-in init for linear weights, embeddings with std 1 (small for tied models, see _reinit),
+every norm weight randomised, every bias non-zero, and the output scaled so the final logits
+have a standard deviation of about 4. Among otherwise identical candidates, ``seed_offset``
+picks one whose greedy runs over every test prompt have no near-tie. The result has clear
+top-1 / top-2 margins, non-degenerate continuations (mean chosen logprob about -0.8), and
+features that matter: test_oracle_models.py checks that ignoring the sliding window, the
+llama3 rope scaling, or an off-by-one window changes the greedy output.
+
+Observed (transformers 5.24.0, torch 2.13.0 CPU) over all test prompts (``all_test_prompts``:
+random ids of length 5, 17, 40, 75 plus the two TEXT_PROMPTS; 32 greedy steps each), see
+``OBSERVED``: the smallest top-1 minus top-2 logit margin is 0.014 (qwen2), i.e. >1e3 times
+the ~1e-5 float32 disagreement between two implementations and ~3.5e-3 of the logit std;
+median margins are ~0.8-1.1; every 32-token continuation has >= 18 distinct tokens.
+qwen3_moe's smallest gap between the 2nd and 3rd router probability is ~1.4e-4.
+Building all eight checkpoints takes ~0.2 s after the ~1.5 s transformers import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ARCHS = (
+    "llama",
+    "llama3_rope",
+    "llama_tied",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "qwen3_moe",
+)
+
+# Shared shape of every tiny model.
+HIDDEN = 64
+HEAD_DIM = 16
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+NUM_LAYERS = 2
+INTERMEDIATE = 128
+MAX_POS = 512
+SLIDING_WINDOW = 8
+# llama3 rope: wavelengths with theta 1e4 and head_dim 16 are 6.3, 19.9, 62.8, 199, ... so
+# with original_max_position_embeddings 64 (high-freq wavelen 16, low-freq wavelen 64) the
+# first pair is kept, the next two are smoothly interpolated and the rest divided by 8.
+LLAMA3_ORIGINAL_MAX_POS = 64
+TIED_EMB_STD = 0.1
+
+# Per-arch vocab sizes (all in 256..512, deliberately not all equal).
+VOCAB = {
+    "llama": 384,
+    "llama3_rope": 320,
+    "llama_tied": 352,
+    "mistral": 384,
+    "qwen2": 416,
+    "qwen3": 384,
+    "gemma3": 448,
+    "qwen3_moe": 384,
+}
+
+# Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
+ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3"}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TRAINING_TEXT = """\
+The old lighthouse stood at the edge of the cliff, and every night its keeper climbed the
+narrow stairs to light the great lamp. Ships passing in the dark would see the beam sweep
+across the water and know that the rocks were near. The keeper kept a small notebook in which
+he wrote the weather, the number of ships, and the names of the birds that nested below the
+gallery. In the spring there were gulls and terns; in the autumn, geese flying south in long
+uneven lines. He liked the quiet of the early morning best, when the sea was grey and calm and
+the lamp could rest. Then he would make tea, sit by the window, and read the letters that the
+supply boat had brought the week before. His sister wrote about the garden, the apple trees,
+the price of bread in the town, and the children who were growing taller every month. Once a
+year the inspector came to check the lenses, the clockwork and the oil, and every year he
+found everything in perfect order. People in the village said the keeper was lonely, but he
+did not think so. He had the wind, the water, the light and the long patient rhythm of the
+tides. When a storm came he stayed awake all night, watching the beam turn and turn, counting
+the seconds between flashes, listening to the waves break against the stones. In the morning
+the beach would be covered with seaweed, driftwood and sometimes a strange bottle or a piece of
+rope from a distant harbour. He collected these things and kept them on a shelf, each with a
+small label saying where and when it was found. A child from the village, who came with the
+supply boat in summer, asked him what he would do when the lighthouse no longer needed a
+keeper. He smiled and said that the sea would still need someone to watch it, and that he
+would find another window, another notebook, and another light to keep.
+"""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How a tiny model is initialised (gain on fan-in init, target logit std)."""
+
+    gain: float = 1.0  # std of linear weights = gain / sqrt(fan_in)
+    logit_std: float = 4.0  # target std of the final logits
+    emb_std: float | None = None  # None: 1.0 untied, TIED_EMB_STD tied
+    qk_norm_scale: float = 1.0  # mean of q_norm / k_norm weights (sharper attention if > 1)
+    seed_offset: int = 0
+
+
+# seed_offset picks, among equally-initialised candidates, one whose greedy runs over every
+# test prompt have no near-tie (see OBSERVED); the other knobs are explained in _reinit.
+SPECS = {
+    "llama": ArchSpec(seed_offset=0),
+    "llama3_rope": ArchSpec(seed_offset=10),
+    "llama_tied": ArchSpec(emb_std=0.03, seed_offset=10),
+    "mistral": ArchSpec(seed_offset=8),
+    "qwen2": ArchSpec(seed_offset=10),
+    "qwen3": ArchSpec(seed_offset=4),
+    # Gemma scales the input embedding by sqrt(hidden)=8, so the stored one is 8x smaller;
+    # sharper q/k norms keep attention from averaging everything into a constant.
+    "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
+    "qwen3_moe": ArchSpec(seed_offset=2),
+}
+
+# From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
+# median margin, fewest distinct tokens in a 32-token greedy continuation), all test prompts.
+OBSERVED: dict[str, tuple[float, float, int]] = {
+    "llama": (0.0152, 0.906, 25),
+    "llama3_rope": (0.0158, 0.878, 24),
+    "llama_tied": (0.0285, 0.944, 18),
+    "mistral": (0.0578, 0.801, 26),
+    "qwen2": (0.0139, 0.970, 20),
+    "qwen3": (0.0186, 0.909, 19),
+    "gemma3": (0.0208, 1.064, 21),
+    "qwen3_moe": (0.0383, 1.016, 20),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def build_tokenizer(vocab_size: int, add_bos: bool):
+    """A byte-level BPE trained on TRAINING_TEXT, with exactly ``vocab_size`` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TRAINING_TEXT], trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"BPE training produced {tok.get_vocab_size()} tokens, wanted {vocab_size}; "
+            "lengthen TRAINING_TEXT"
+        )
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+            special_tokens=[(BOS_TOKEN, bos_id)],
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=MAX_POS,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+
+
+def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        )
+    if arch == "llama3_rope":
+        return tf.LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POS,
+            },
+        )
+    if arch == "llama_tied":
+        return tf.LlamaConfig(
+            **common,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        )
+    if arch == "mistral":
+        return tf.MistralConfig(
+            **common,
+            sliding_window=SLIDING_WINDOW,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "qwen2":
+        return tf.Qwen2Config(
+            **common,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if arch == "qwen3":
+        return tf.Qwen3Config(
+            **common,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if arch == "gemma3":
+        common.pop("rms_norm_eps")
+        return tf.Gemma3TextConfig(
+            **common,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            # != head_dim on purpose: the attention scale is query_pre_attn_scalar**-0.5.
+            query_pre_attn_scalar=32,
+            tie_word_embeddings=True,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        )
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+
+
+def _model_class(arch: str):
+    import transformers as tf
+
+    return {
+        "llama": tf.LlamaForCausalLM,
+        "llama3_rope": tf.LlamaForCausalLM,
+        "llama_tied": tf.LlamaForCausalLM,
+        "mistral": tf.MistralForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "qwen3": tf.Qwen3ForCausalLM,
+        "gemma3": tf.Gemma3ForCausalLM,
+        "qwen3_moe": tf.Qwen3MoeForCausalLM,
+    }[arch]
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+
+
+def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
+    """Deterministic, decisive re-initialisation of every parameter (see module docstring).
+
+    Untied models: embeddings ~ N(0, 1), lm_head ~ N(0, logit_std**2 / hidden), norms
+    ~ U(0.5, 1.5). Tied models (llama_tied, gemma3) cannot have a large embedding: the
+    residual stream would be dominated by the current token's own embedding and, the
+    output projection being that same embedding, the model would predict its input token
+    forever. There the embedding is small (std spec.emb_std, default TIED_EMB_STD) and the
+    final norm weight large, which gives the same logit scale with a residual stream the
+    layers dominate.
+    """
+    gen = torch.Generator().manual_seed(seed * 1000 + spec.seed_offset + sum(map(ord, arch)))
+    gemma = arch == "gemma3"
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    final_norm_scale = 1.0
+    emb_std = spec.emb_std if spec.emb_std is not None else (TIED_EMB_STD if tied else 1.0)
+    if tied:
+        # logits = norm(h) * g . E  with |norm(h)| ~ sqrt(H), E ~ N(0, emb_std^2)
+        final_norm_scale = spec.logit_std / (emb_std * math.sqrt(HIDDEN))
+
+    def u(shape, scale=1.0):  # U(0.5, 1.5) * scale
+        return (torch.rand(shape, generator=gen) + 0.5) * scale
+
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                scale = 1.0
+                if name == "model.norm.weight":
+                    scale = final_norm_scale
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    scale = spec.qk_norm_scale
+                w = u(p.shape, scale)
+                # Gemma RMSNorm multiplies by (1 + w): store w = g - 1.
+                p.copy_(w - 1.0 if gemma else w)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif "embed_tokens" in name or ("lm_head" in name and tied):
+                p.copy_(torch.randn(p.shape, generator=gen) * emb_std)
+            elif "lm_head" in name:
+                std = spec.logit_std / math.sqrt(p.shape[-1])
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith(".mlp.gate.weight"):  # MoE router: make routing decisive
+                p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
+            elif p.dim() >= 2:
+                # nn.Linear weights are (out, in); fused MoE experts are (E, out, in).
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) * (spec.gain / math.sqrt(fan_in)))
+            else:
+                raise RuntimeError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
+
+
+def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
+    """Write a tiny random ``arch`` checkpoint with its tokenizer into ``out_dir``; return it.
+
+    Deterministic for a given (arch, seed). The near-tie-free margins recorded in OBSERVED
+    were checked for seed=0 only; test_hf_reference_is_decisive re-checks the built ones.
+    """
+    from transformers import GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = SPECS[arch]
+    vocab_size = VOCAB[arch]
+
+    tokenizer = build_tokenizer(vocab_size, add_bos=arch in ADDS_BOS)
+    bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+
+    config = _config(arch, vocab_size, bos_id, eos_id, pad_id)
+    torch.manual_seed(seed)
+    model = _model_class(arch)(config).to(torch.float32).eval()
+    _reinit(model, arch, spec, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False
+    )
+    with _quiet_transformers():
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No 'Writing model shards' progress bars in test output."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+# --------------------------------------------------------------------------------------------
+# transformers reference
+
+
+@dataclass(frozen=True)
+class GreedyTrace:
+    tokens: list[int]
+    logprobs: list[float]  # logprob of each chosen token under log_softmax(raw logits)
+    margins: list[float]  # top-1 minus top-2 raw logit at each step
+    # (max_new_tokens, vocab) log_softmax of the raw logits at each step, for top-k checks
+    rows_logprobs: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def topk(self, step: int, k: int) -> dict[int, float]:
+        """The k most likely tokens at ``step`` and their logprobs."""
+        vals, idx = torch.topk(self.rows_logprobs[step], k)
+        return {int(i): float(v) for i, v in zip(idx, vals, strict=False)}
+
+
+@functools.lru_cache(maxsize=16)
+def load_hf_model(model_dir: str):
+    """The checkpoint as transformers loads it (float32, eager attention), cached per dir."""
+    return load_hf_model_with(model_dir)
+
+
+def load_hf_model_with(model_dir, **config_overrides):
+    """Load with config overrides (e.g. sliding_window=...); fail on any missing/extra key."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=torch.float32,
+            attn_implementation="eager",
+            output_loading_info=True,
+            **config_overrides,
+        )
+    bad = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
+        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {}
+    )
+    if bad:
+        raise RuntimeError(f"transformers did not load {model_dir} cleanly: {bad}")
+    return model.eval()
+
+
+def _full_context_logits(model, ids: list[int]) -> torch.Tensor:
+    """Raw logits (float64 copy) at every position of ``ids``, one forward, no KV cache."""
+    out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
+    return out.logits[0].to(torch.float64)
+
+
+def _cached_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens using transformers' own KV cache (fast; verified afterwards)."""
+    # transformers 5.24 renamed the forward kwarg / output field `past_key_values` -> `cache`
+    # (the old name still works there but warns); support both spellings within 5.x.
+    new_api = "cache" in inspect.signature(model.forward).parameters
+    cache_kw = "cache" if new_api else "past_key_values"
+    out = model(input_ids=torch.tensor([prompt], dtype=torch.long), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < max_new_tokens:
+        past = out.cache if new_api else out.past_key_values
+        out = model(
+            input_ids=torch.tensor([[tokens[-1]]], dtype=torch.long),
+            use_cache=True,
+            **{cache_kw: past},
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def greedy_trace(model, prompt_ids, max_new_tokens: int) -> GreedyTrace:
+    """The oracle: greedy decoding whose every step is a full-context (cache-free) forward.
+
+    Computing that literally costs max_new_tokens forwards over growing contexts, so the
+    tokens are first decoded with transformers' KV cache and then verified by one
+    teacher-forced full-context forward over prompt + tokens[:-1] (row t of a causal model's
+    logits depends only on tokens <= t, so this *is* the full-context greedy run as long as
+    every argmax agrees). Logprobs and margins come from that full-context forward. Should
+    the cached run disagree anywhere (a near-tie), the literal step-by-step loop is used.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    n = len(prompt)
+    with torch.inference_mode():
+        tokens = _cached_greedy(model, prompt, max_new_tokens)
+        rows = _full_context_logits(model, prompt + tokens[:-1])[n - 1 :]
+        if [int(r.argmax()) for r in rows] != tokens:
+            tokens, step_rows = [], []
+            for _ in range(max_new_tokens):
+                last = _full_context_logits(model, prompt + tokens)[-1]
+                step_rows.append(last)
+                tokens.append(int(last.argmax()))
+            rows = torch.stack(step_rows)
+        logprobs = torch.log_softmax(rows, dim=-1)
+        top2 = torch.topk(rows, 2, dim=-1).values
+    return GreedyTrace(
+        tokens=tokens,
+        logprobs=[float(logprobs[i, t]) for i, t in enumerate(tokens)],
+        margins=[float(m) for m in (top2[:, 0] - top2[:, 1])],
+        rows_logprobs=logprobs.to(torch.float32),
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _hf_greedy_cached(
+    model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int
+) -> GreedyTrace:
+    return greedy_trace(load_hf_model(model_dir), prompt_ids, max_new_tokens)
+
+
+def hf_greedy_trace(model_dir, prompt_ids, max_new_tokens: int) -> GreedyTrace:
+    return _hf_greedy_cached(str(model_dir), tuple(int(t) for t in prompt_ids), int(max_new_tokens))
+
+
+def hf_greedy(
+    model_dir, prompt_ids: list[int], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from transformers (float32, eager attention)."""
+    trace = hf_greedy_trace(model_dir, prompt_ids, max_new_tokens)
+    return list(trace.tokens), list(trace.logprobs)
+
+
+# --------------------------------------------------------------------------------------------
+# fixed prompts
+
+
+PROMPT_LENS = (5, 17, 40, 75)
+MAX_NEW_TOKENS = 32
+
+
+def oracle_prompts(arch: str) -> list[list[int]]:
+    """The fixed pseudo-random prompts (non-special ids) of lengths PROMPT_LENS for ``arch``.
+
+    Only these (and TEXT_PROMPTS) are vetted for near-ties; do not decode others greedily.
+    """
+    rng = random.Random(f"met-oracle-{arch}")
+    lo = len(SPECIAL_TOKENS)
+    return [[rng.randrange(lo, VOCAB[arch]) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def oracle_prompt(arch: str, length: int) -> list[int]:
+    """The oracle prompt of ``length`` (one of PROMPT_LENS) for ``arch``."""
+    return oracle_prompts(arch)[PROMPT_LENS.index(length)]
+
+
+TEXT_PROMPTS = (
+    "The keeper climbed the narrow stairs to light the lamp, and",
+    "Once a year the inspector came to check",
+)
+
+
+def text_prompt_ids(model_dir, text: str) -> list[int]:
+    """``text`` as the checkpoint's own tokenizer encodes it (special tokens included)."""
+    return list(load_tokenizer(str(model_dir))(text).input_ids)
+
+
+@functools.lru_cache(maxsize=16)
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def all_test_prompts(arch: str, model_dir) -> list[list[int]]:
+    """Every prompt the oracle tests decode greedily (the margin test covers all of them)."""
+    return oracle_prompts(arch) + [text_prompt_ids(model_dir, t) for t in TEXT_PROMPTS]
