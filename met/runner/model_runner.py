@@ -34,7 +34,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         layers, kv_heads, head_dim = model.kv_layout
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        # Head-major, slot-flat: one index_select per request gathers its context per head.
+        shape = (kv_heads, num_blocks * block_size, head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
@@ -55,24 +56,20 @@ class ModelRunner:
     ) -> tuple[ForwardBatch, list[int], list[str]]:
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        new_slots: list[torch.Tensor] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
-        bs = self.block_size
         for item in step.scheduled:
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
             end = start + n
-            table = block_tables[req.request_id]
             q_start = len(ids)
             ids.extend(req.all_token_ids[start:end])
-            pos = range(start, end)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            num_ctx_blocks = -(-end // bs)
-            spans.append(SeqSpan(q_start, n, end, torch.tensor(table[:num_ctx_blocks],
-                                                               device=self.device)))
+            positions.extend(range(start, end))
+            ctx_slots = self._context_slots(block_tables[req.request_id], end)
+            new_slots.append(ctx_slots[start:end])
+            spans.append(SeqSpan(q_start, n, end, ctx_slots))
             if end == req.num_tokens:  # caught up: this row's logits give the next token
                 sample_rows.append(q_start + n - 1)
                 sample_ids.append(req.request_id)
@@ -80,8 +77,14 @@ class ModelRunner:
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.cat(new_slots),
             seqs=tuple(spans),
-            block_size=bs,
         )
         return batch, sample_rows, sample_ids
+
+    def _context_slots(self, table: list[int], ctx_len: int) -> torch.Tensor:
+        """Flat slot of every position 0..ctx_len-1 of a request, from its block table."""
+        bs = self.block_size
+        blocks = torch.tensor(table[: -(-ctx_len // bs)], dtype=torch.long)
+        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:ctx_len]
+        return slots.to(self.device)
