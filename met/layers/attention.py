@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from met.layers.batch import ForwardBatch
+from met.layers.cpu_decode_attention import decode_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -33,7 +34,12 @@ def paged_attention(
 
     out = torch.empty_like(q)
     plan = batch.window_plan(sliding_window)
-    for span, (slots, mask) in zip(batch.seqs, plan, strict=True):
+    if plan.decode_rows.numel():
+        # All decodes in one call: per-request results, without a Python loop per request.
+        out[plan.decode_rows] = decode_attention(
+            q[plan.decode_rows], k_cache, v_cache, plan.decode_slots, plan.decode_offsets, scale
+        )
+    for span, slots, mask in plan.per_seq:
         rows = slice(span.q_start, span.q_start + span.q_len)
         # SDPA wants [B, H, L, D]; enable_gqa broadcasts the KV heads over query heads.
         o = F.scaled_dot_product_attention(

@@ -8,6 +8,22 @@ import torch
 
 
 @dataclass(frozen=True)
+class WindowPlan:
+    """How one attention window applies to every sequence of a step.
+
+    Single-token queries that see their whole kept context (decodes) are gathered into one
+    batched call: ``decode_rows`` are their batch rows and request i of them attends over
+    ``decode_slots[decode_offsets[i]:decode_offsets[i + 1]]``. Every other sequence (prefill
+    chunks, windowed prefixes) is listed in ``per_seq`` with its slots and boolean mask.
+    """
+
+    decode_rows: torch.Tensor  # long [N_decode]
+    decode_slots: torch.Tensor  # long [sum of decode context lengths]
+    decode_offsets: torch.Tensor  # long [N_decode + 1]
+    per_seq: list[tuple[SeqSpan, torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
 class SeqSpan:
     """One request's slice of the flat batch.
 
@@ -35,16 +51,38 @@ class ForwardBatch:
     seqs: tuple[SeqSpan, ...]
     _window_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def window_plan(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Per sequence: the KV slots its queries may see and the boolean mask (None = all).
+    def window_plan(self, window: int | None) -> WindowPlan:
+        """The attention plan for layers with this sliding window (None = full attention).
 
-        Keys older than the window of the first query are dropped from the slots outright.
+        Keys older than the window of a sequence's first query are dropped from its slots.
         """
         plan = self._window_plans.get(window)
         if plan is None:
-            plan = [_span_plan(span, window) for span in self.seqs]
+            plan = _build_plan(self.seqs, window)
             self._window_plans[window] = plan
         return plan
+
+
+def _build_plan(seqs: tuple[SeqSpan, ...], window: int | None) -> WindowPlan:
+    rows: list[int] = []
+    slot_parts: list[torch.Tensor] = []
+    offsets = [0]
+    per_seq = []
+    for span in seqs:
+        slots, mask = _span_plan(span, window)
+        if span.q_len == 1 and mask is None:
+            rows.append(span.q_start)
+            slot_parts.append(slots)
+            offsets.append(offsets[-1] + slots.numel())
+        else:
+            per_seq.append((span, slots, mask))
+    dev = seqs[0].ctx_slots.device if seqs else None
+    return WindowPlan(
+        decode_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+        decode_slots=torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.long),
+        decode_offsets=torch.tensor(offsets, dtype=torch.long, device=dev),
+        per_seq=per_seq,
+    )
 
 
 def _span_plan(span: SeqSpan, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,134 @@
+"""The native CPU decode-attention kernel: matches per-request SDPA and is batch-invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from met.layers.cpu_decode_attention import (
+    decode_attention,
+    decode_attention_available,
+    decode_attention_reference,
+)
+
+
+def _problem(
+    n: int,
+    h: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    seed: int,
+    max_len: int = 300,
+    layout: str = "contiguous",
+):
+    """Random q, caches and per-request slot lists (shuffled, so reads are scattered).
+
+    layout "transposed": q and the caches are views of [H, N, D] / [S, Hkv, D] buffers;
+    "every_other": the head dim itself is strided (every other element of a wider buffer).
+    """
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_len + 1, (n,), generator=g)
+    lens[0] = 1  # always cover the single-key context
+    total = int(lens.sum())
+    num_slots = total + 37
+    if layout == "transposed":
+        k = torch.randn(num_slots, hkv, d, generator=g).to(dtype).transpose(0, 1)
+        v = torch.randn(num_slots, hkv, d, generator=g).to(dtype).transpose(0, 1)
+        q = torch.randn(h, n, d, generator=g).to(dtype).transpose(0, 1)
+    elif layout == "every_other":
+        k = torch.randn(hkv, num_slots, 2 * d, generator=g).to(dtype)[..., ::2]
+        v = torch.randn(hkv, num_slots, 2 * d, generator=g).to(dtype)[..., 1::2]
+        q = torch.randn(n, h, 2 * d, generator=g).to(dtype)[..., ::2]
+    else:
+        k = torch.randn(hkv, num_slots, d, generator=g).to(dtype)
+        v = torch.randn(hkv, num_slots, d, generator=g).to(dtype)
+        q = torch.randn(n, h, d, generator=g).to(dtype)
+    slots = torch.randperm(num_slots, generator=g)[:total]
+    offsets = torch.zeros(n + 1, dtype=torch.long)
+    offsets[1:] = lens.cumsum(0)
+    return q, k, v, slots, offsets
+
+
+def test_kernel_compiles_here():
+    assert decode_attention_available()
+
+
+# GQA 9/3 and MHA 4/4 at the engine's head dims; 40 and 96 exercise the padded and the
+# partial-block paths, 128 two 32-wide bf16 blocks.
+SHAPES = [(9, 3, 64), (4, 4, 64), (9, 3, 16), (4, 4, 16), (6, 2, 40), (8, 2, 96), (2, 1, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "hkv", "d"), SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "every_other"])
+def test_matches_per_request_sdpa(dtype, h, hkv, d, layout):
+    q, k, v, slots, offsets = _problem(7, h, hkv, d, dtype, seed=h * 100 + d, layout=layout)
+    scale = d**-0.5
+    out = decode_attention(q, k, v, slots, offsets, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    # The reference in float32 on the same (possibly bf16-rounded) inputs.
+    ref = decode_attention_reference(q.float(), k.float(), v.float(), slots, offsets, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        # bf16 output: one rounding of a value of magnitude < ~3 is at most ~8e-3.
+        torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peaked_softmax_is_stable(dtype):
+    """Large logits must not overflow: the max is subtracted before exp."""
+    q, k, v, slots, offsets = _problem(3, 4, 2, 64, dtype, seed=5)
+    q = (q.float() * 40).to(dtype)
+    out = decode_attention(q, k, v, slots, offsets, 1.0)
+    ref = decode_attention_reference(q.float(), k.float(), v.float(), slots, offsets, 1.0)
+    assert torch.isfinite(out).all()
+    atol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 4, 16)])
+def test_batch_invariance(dtype, h, hkv, d):
+    """A request's row is bitwise the same alone, in a batch of 17, and in reversed order."""
+    q, k, v, slots, offsets = _problem(17, h, hkv, d, dtype, seed=11)
+    scale = d**-0.5
+    batched = decode_attention(q, k, v, slots, offsets, scale)
+
+    order = list(range(16, -1, -1))
+    seqs = [slots[offsets[i] : offsets[i + 1]] for i in order]
+    rev_offsets = torch.zeros(18, dtype=torch.long)
+    rev_offsets[1:] = torch.tensor([s.numel() for s in seqs]).cumsum(0)
+    reversed_out = decode_attention(q[order], k, v, torch.cat(seqs), rev_offsets, scale)
+
+    for i in range(17):
+        own = slots[offsets[i] : offsets[i + 1]]
+        alone = decode_attention(q[i : i + 1], k, v, own, torch.tensor([0, own.numel()]), scale)
+        assert torch.equal(alone[0], batched[i]), f"request {i}: alone != in batch"
+        assert torch.equal(reversed_out[16 - i], batched[i]), f"request {i}: order changed it"
+
+
+def test_thread_count_does_not_change_results():
+    q, k, v, slots, offsets = _problem(17, 9, 3, 64, torch.bfloat16, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention(q, k, v, slots, offsets, 0.125)
+        torch.set_num_threads(max(2, before))
+        many = decode_attention(q, k, v, slots, offsets, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def test_rejects_bad_slots_instead_of_reading_out_of_bounds():
+    q, k, v, slots, offsets = _problem(2, 4, 2, 16, torch.float32, seed=1)
+    bad = slots.clone()
+    bad[-1] = k.shape[1]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_attention(q, k, v, bad, offsets, 0.25)
+    empty = offsets.clone()
+    empty[1] = empty[0]
+    with pytest.raises(RuntimeError, match="empty or out-of-range"):
+        decode_attention(q, k, v, slots, empty, 0.25)
