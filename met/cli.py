@@ -1,9 +1,10 @@
-"""Command line: `met generate` (more subcommands join as they land)."""
+"""Command line: `met generate`, `met serve` (more subcommands join as they land)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -72,6 +73,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_config(args: argparse.Namespace):
+    from met.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model_flag or args.model, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        cache_dir=args.cache_dir,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from met.api.context import ServerConfig
+    from met.api.server import serve
+    from met.loader.resolve import resolve_model
+    from met.serving.prompts import load_chat_template
+
+    engine_config = _engine_config(args)
+    source = resolve_model(engine_config.model, engine_config.cache_dir)  # fail fast, not later
+    names = args.served_model_name or [
+        engine_config.model if engine_config.model else source.path.stem.split(".")[0]]
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("MET_API_KEY"):
+        keys = [os.environ["MET_API_KEY"]]
+    config = ServerConfig(
+        served_model_names=tuple(names), host=args.host, port=args.port, api_keys=tuple(keys),
+        request_timeout=args.request_timeout, max_queued_requests=args.max_queued_requests,
+        log_requests=args.log_requests, max_body_bytes=args.max_request_body,
+        chat_template=load_chat_template(args.chat_template),
+    )
+    return serve(engine_config, config)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="the name clients use in 'model' (repeatable; default: the MODEL "
+                        "argument)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeatable; default $MET_API_KEY)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file or the text) instead of the model's")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds; a request past it finishes with finish_reason 'timeout'")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="at most this many requests wait for a seat (beyond the "
+                        "--max-num-seqs running); more get 503 + Retry-After")
+    p.add_argument("--max-request-body", type=_parse_bytes, default=32 << 20,
+                   help="largest request body (413 above it), e.g. 32MiB")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log every request (parameters, token counts, latency)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="met", description="met: LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message with the model's chat template")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    _add_engine_args(srv)
+    _add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,134 @@
+"""The FastAPI app: routes, middleware, error handlers, and the engine's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import met
+from met.api.auth import ApiKeyMiddleware
+from met.api.context import ServerConfig, ServerContext
+from met.api.errors import error_body, install_error_handlers
+from met.api.openai import chat, completions, models
+from met.api.routes import router as server_router
+from met.engine.async_engine import AsyncEngine, EngineState
+from met.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+log = logging.getLogger("met.api")
+
+_BODY_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+class RequestIdMiddleware:
+    """``x-request-id`` on every response (the client's own, or a fresh one), and a JSON 500
+    for anything that escaped the handlers, so even a crash answers in OpenAI's shape."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1").strip()
+        rid = given[:128] if given else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", rid.encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            body = json.dumps(error_body(500, "internal server error", None,
+                                         "internal_error")).encode()
+            await send_with_id({"type": "http.response.start", "status": 500, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode())]})
+            await send_with_id({"type": "http.response.body", "body": body})
+
+
+def build_app(config: ServerConfig, engine: AsyncEngine,
+              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """The app serving ``engine``. Its lifespan starts the engine (loading the model in the
+    engine thread, so /health answers 503 "loading" meanwhile) and stops it at shutdown.
+    ``on_fatal`` is called when the model fails to load (the CLI stops the server)."""
+    ctx = ServerContext(config, engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        waiter = asyncio.create_task(_announce_when_ready(ctx, on_fatal))
+        try:
+            yield
+        finally:
+            waiter.cancel()
+            log.info("stopping the engine")
+            await engine.shutdown()
+
+    app = FastAPI(title="met", version=met.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for router in (chat.router, completions.router, models.router, server_router):
+        app.include_router(router)
+    app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
+    app.add_middleware(RequestIdMiddleware)  # added last = outermost: 401s get an id too
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+async def _announce_when_ready(ctx: ServerContext, on_fatal: Callable[[], None] | None) -> None:
+    await ctx.engine.wait_ready()
+    if ctx.engine.state != EngineState.READY:
+        log.error("met: cannot serve: %s", ctx.engine.fault_reason)
+        if on_fatal is not None:
+            on_fatal()
+        return
+    ctx.on_engine_ready()
+    model = ctx.model
+    core = ctx.engine.core
+    assert model is not None and core is not None
+    log.info("met: ready in %.1fs — model %s (%s), dtype %s, max_model_len %d, KV cache %d "
+             "tokens (%d blocks of %d)", ctx.engine.load_seconds or 0.0, ctx.config.model_name,
+             model.root, model.dtype, model.limits.max_model_len, core.capacity_tokens,
+             model.limits.num_kv_blocks, model.limits.block_size)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies, which the routes parse themselves (to answer
+    every bad field with an OpenAI-shaped 400 that names it)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in _BODY_MODELS:
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+    app.openapi_schema = schema
+    return schema

@@ -1,0 +1,206 @@
+"""Server configuration and the per-app context every route reads (no module-level state)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from met.api.errors import ApiError
+from met.api.metrics import ServerMetrics
+from met.engine.async_engine import AsyncEngine, EngineState
+from met.sampling.params import SamplingParams
+from met.serving.errors import InvalidRequest
+from met.serving.generate import ChoiceState, Generation
+from met.serving.prompts import Prompt
+from met.serving.validation import ModelLimits, OutputOptions
+
+log = logging.getLogger("met.api")
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `met serve` adds on top of the engine config."""
+
+    served_model_names: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8888
+    api_keys: tuple[str, ...] = ()
+    request_timeout: float | None = 300.0
+    max_queued_requests: int | None = None
+    log_requests: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    chat_template: str | None = None  # overrides the model's template (the text, not a path)
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("--served-model-name: needs at least one non-empty name")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port: must be in [0, 65535], got {self.port}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"--request-timeout: must be > 0 seconds, got {self.request_timeout}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(
+                f"--max-queued-requests: must be >= 0, got {self.max_queued_requests}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-request-body: must be >= 1KiB, got {self.max_body_bytes}")
+        if any(not k for k in self.api_keys):
+            raise ValueError("--api-key: keys must be non-empty")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Known once the engine has loaded: what the routes need from the model."""
+
+    tokenizer: Any
+    chat_template: str | None
+    limits: ModelLimits
+    root: str
+    dtype: str
+
+
+class ServerContext:
+    """The app's engine, metrics and config; routes reach it through ``request.app.state``."""
+
+    def __init__(self, config: ServerConfig, engine: AsyncEngine):
+        self.config = config
+        self.engine = engine
+        self.metrics = ServerMetrics(config.model_name)
+        self.model: ModelInfo | None = None
+        self.created = int(time.time())
+
+    def on_engine_ready(self) -> None:
+        core = self.engine.core
+        assert core is not None
+        loaded = core.loaded
+        self.model = ModelInfo(
+            tokenizer=loaded.tokenizer,
+            chat_template=self.config.chat_template or loaded.chat_template,
+            limits=ModelLimits(core.max_model_len, int(loaded.hf_config.vocab_size),
+                               core.config.block_size, core.kv.pool.num_blocks),
+            root=str(loaded.source.path),
+            dtype=str(core.config.torch_dtype).removeprefix("torch."),
+        )
+
+    def require_model(self) -> ModelInfo:
+        """The loaded model, or a 503 saying why there is none."""
+        if self.engine.state == EngineState.FAULTED:
+            raise ApiError(503, f"the engine has faulted: {self.engine.fault_reason}", None,
+                           "engine_faulted")
+        if self.model is None or self.engine.state != EngineState.READY:
+            raise ApiError(503, "the model is still loading; retry shortly", None,
+                           "model_loading", {"Retry-After": "5"})
+        return self.model
+
+    def check_model_name(self, name: str | None) -> None:
+        if name is not None and name not in self.config.served_model_names:
+            served = ", ".join(repr(n) for n in self.config.served_model_names)
+            raise InvalidRequest(f"model: the model {name!r} does not exist (this server serves "
+                                 f"{served})", "model", "model_not_found", 404)
+
+    def check_queue(self) -> None:
+        """503 when this request would have to wait and the wait line is already full."""
+        limit = self.config.max_queued_requests
+        core = self.engine.core
+        if limit is None or core is None:
+            return
+        # Counted on the loop (exact, no lag behind aborts): in-flight choices beyond
+        # --max-num-seqs are waiting for a seat.
+        seats, in_flight = core.config.max_num_seqs, self.engine.num_in_flight
+        if in_flight < seats:
+            return  # a seat is free: this request starts at once
+        waiting = in_flight - seats
+        if waiting + 1 > limit:
+            raise ApiError(503, f"the server is busy: {waiting} requests are already waiting "
+                           f"(--max-queued-requests {limit}); retry later", None, "queue_full",
+                           {"Retry-After": "1"})
+
+    def new_generation(self, request: Request, kind: str, prompts: list[Prompt],
+                       params: list[SamplingParams], n: int,
+                       options: OutputOptions) -> Generation:
+        model = self.require_model()
+        gen = Generation(self.engine, model.tokenizer, prompts, params, n, options,
+                         self.config.request_timeout, self._on_choice_done,
+                         request_id=request_id(request))
+        if self.config.log_requests:
+            log.info("request %s: %s, %d prompt(s) of %s tokens, n=%d, params=%s, stop=%s",
+                     gen.request_id, kind, len(prompts),
+                     [len(p.token_ids) for p in prompts], n, params[0], options.stop)
+        return gen
+
+    def _on_choice_done(self, gen: Generation, c: ChoiceState) -> None:
+        self.metrics.on_choice_done(gen, c)
+        if self.config.log_requests and all(ch.finished for ch in gen.choices):
+            log.info("request %s done in %.3fs: prompt_tokens=%d completion_tokens=%d "
+                     "cached_tokens=%d finish_reasons=%s", gen.request_id,
+                     time.monotonic() - gen.arrival, gen.prompt_tokens, gen.completion_tokens,
+                     gen.cached_tokens, [ch.finish_reason for ch in gen.choices])
+
+
+def server_context(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or "unknown"
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, or 413 over ``limit`` bytes / 400 when it is not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise InvalidRequest(f"request body: {int(length)} bytes is over the {limit}-byte limit",
+                             None, "request_too_large", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise InvalidRequest(f"request body: over the {limit}-byte limit", None,
+                                 "request_too_large", 413)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"request body: malformed JSON ({e})", None, "invalid_json") from None
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+async def until_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

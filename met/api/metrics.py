@@ -1,0 +1,81 @@
+"""Prometheus metrics under ``met_`` (prometheus-client, one registry per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from met.engine.async_engine import AsyncEngine
+from met.serving.generate import ChoiceState, Generation
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+_TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                       0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """What /metrics shows. Counters move as choices finish; gauges are read at scrape time
+    from the engine thread's last published snapshot."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model_name": model_name}
+        self._labels = labels
+        self.requests = Counter("met_requests", "Finished requests (choices), by finish reason",
+                                ["model_name", "finish_reason"], registry=r)
+        self.running = Gauge("met_requests_running", "Requests running in the engine",
+                             ["model_name"], registry=r).labels(**labels)
+        self.waiting = Gauge("met_requests_waiting", "Requests waiting to be scheduled",
+                             ["model_name"], registry=r).labels(**labels)
+        self.prompt_tokens = Counter("met_prompt_tokens", "Prompt tokens received",
+                                     ["model_name"], registry=r).labels(**labels)
+        self.generation_tokens = Counter("met_generation_tokens", "Tokens generated",
+                                         ["model_name"], registry=r).labels(**labels)
+        self.ttft = Histogram("met_time_to_first_token_seconds", "Arrival to first token",
+                              ["model_name"], buckets=_LATENCY_BUCKETS,
+                              registry=r).labels(**labels)
+        self.tpot = Histogram("met_time_per_output_token_seconds",
+                              "Mean time between output tokens, per request", ["model_name"],
+                              buckets=_TOKEN_TIME_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("met_e2e_request_latency_seconds", "Arrival to last token",
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.kv_total = Gauge("met_kv_blocks_total", "KV cache blocks in the pool",
+                              ["model_name"], registry=r).labels(**labels)
+        self.kv_used = Gauge("met_kv_blocks_used", "KV cache blocks held by live requests",
+                             ["model_name"], registry=r).labels(**labels)
+        self.kv_usage = Gauge("met_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                              ["model_name"], registry=r).labels(**labels)
+        self.preemptions = Gauge("met_num_preemptions", "Preemptions since start",
+                                 ["model_name"], registry=r).labels(**labels)
+        self.prefix_queries = Counter("met_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache",
+                                      ["model_name"], registry=r).labels(**labels)
+        self.prefix_hits = Counter("met_prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache",
+                                   ["model_name"], registry=r).labels(**labels)
+
+    def on_choice_done(self, gen: Generation, c: ChoiceState) -> None:
+        self.requests.labels(finish_reason=c.finish_reason or "unknown", **self._labels).inc()
+        self.generation_tokens.inc(c.num_tokens)
+        if c.index % gen.n == 0:  # once per prompt
+            prompt_len = len(gen.prompts[c.prompt_index].token_ids)
+            self.prompt_tokens.inc(prompt_len)
+            if c.first_token_at is not None:
+                self.prefix_queries.inc(prompt_len)
+                self.prefix_hits.inc(c.num_cached_tokens)
+        if c.first_token_at is not None and c.last_token_at is not None:
+            self.ttft.observe(c.first_token_at - gen.arrival)
+            self.e2e.observe(c.last_token_at - gen.arrival)
+            if c.num_tokens > 1:
+                self.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
+
+    def render(self, engine: AsyncEngine) -> bytes:
+        s = engine.stats
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.preemptions.set(s.num_preemptions)
+        if s.kv is not None:
+            self.kv_total.set(s.kv.num_blocks_total)
+            self.kv_used.set(s.kv.num_blocks_in_use)
+            self.kv_usage.set(s.kv.num_blocks_in_use / max(1, s.kv.num_blocks_total))
+        return generate_latest(self.registry)

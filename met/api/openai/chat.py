@@ -1,0 +1,87 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from met.api.context import read_json, server_context
+from met.api.openai.common import now, respond, stream_events, usage
+from met.api.sse import SSEResponse
+from met.serving.generate import ChoiceDelta, Generation
+from met.serving.prompts import render_chat
+from met.serving.protocol import ChatCompletionRequest, parse_body
+from met.serving.validation import build_params, check_prompt_tokens, check_ranges, output_options
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", openapi_extra={"requestBody": {
+    "required": True,
+    "content": {"application/json": {"schema": {
+        "$ref": "#/components/schemas/ChatCompletionRequest"}}}}})
+async def chat_completions(request: Request) -> Response:
+    ctx = server_context(request)
+    model = ctx.require_model()
+    req = parse_body(ChatCompletionRequest, await read_json(request, ctx.config.max_body_bytes))
+    ctx.check_model_name(req.model)
+    use_mct = req.max_completion_tokens is not None
+    max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
+    max_tokens_param = "max_completion_tokens" if use_mct else "max_tokens"
+    check_ranges(req, max_tokens, max_tokens_param)
+    prompt = render_chat(model.tokenizer, model.chat_template, req.messages,
+                         req.add_generation_prompt, req.chat_template_kwargs)
+    check_prompt_tokens(prompt.token_ids, model.limits, "messages")
+    params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
+                          "messages", max_tokens_param)
+    ctx.check_queue()
+    gen = ctx.new_generation(request, "chat", [prompt], [params], req.n, output_options(req))
+    name = req.model or ctx.config.model_name
+    cid = f"chatcmpl-{gen.request_id}"
+    created = now()
+    if req.stream:
+        return SSEResponse(_stream(gen, cid, created, name, req.include_usage))
+
+    def body(texts: list[str]) -> dict:
+        return {
+            "id": cid, "object": "chat.completion", "created": created, "model": name,
+            "choices": [{
+                "index": c.index,
+                "message": {"role": "assistant", "content": texts[c.index], "refusal": None},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            } for c in gen.choices],
+            "usage": usage(gen),
+            "system_fingerprint": None,
+        }
+
+    return await respond(request, gen, None, body)
+
+
+def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: bool):
+    def chunk(choices: list[dict]) -> dict:
+        out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
+               "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def head() -> list[dict]:
+        return [chunk([choice(c.index, {"role": "assistant", "content": ""})])
+                for c in gen.choices]
+
+    def on_delta(d: ChoiceDelta) -> list[dict]:
+        out = []
+        if d.text:
+            out.append(chunk([choice(d.index, {"content": d.text})]))
+        if d.finish_reason is not None:
+            out.append(chunk([choice(d.index, {}, d.finish_reason)]))
+        return out
+
+    def usage_chunk() -> dict:
+        return {**chunk([]), "usage": usage(gen)}
+
+    return stream_events(gen, head, on_delta, usage_chunk if include_usage else None)

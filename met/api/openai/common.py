@@ -1,0 +1,82 @@
+"""Shared pieces of the OpenAI routes: usage, non-stream collection, stream error handling."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from met.api.context import ClientDisconnected, until_disconnected
+from met.api.errors import error_body, error_response
+from met.api.sse import DONE, sse_data
+from met.serving.generate import ChoiceDelta, Generation, GenerationFailed
+
+log = logging.getLogger("met.api")
+
+
+def usage(gen: Generation) -> dict:
+    prompt, completion = gen.prompt_tokens, gen.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
+
+
+def now() -> int:
+    return int(time.time())
+
+
+async def collect(gen: Generation, prefixes: list[str] | None = None) -> list[str]:
+    """Run the generation to the end; the full text of each choice."""
+    parts: list[list[str]] = [[p] for p in prefixes] if prefixes else [[] for _ in gen.choices]
+    async with gen:
+        async for d in gen.deltas():
+            parts[d.index].append(d.text)
+    return ["".join(p) for p in parts]
+
+
+async def respond(request: Request, gen: Generation, prefixes: list[str] | None,
+                  build: Callable[[list[str]], dict]) -> Response:
+    """Non-stream: collect (aborting if the client leaves), then build the JSON body."""
+    try:
+        texts = await until_disconnected(request, collect(gen, prefixes))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except GenerationFailed as e:
+        status = 400 if e.is_client_error else 500
+        return error_response(status, e.message, None, None if status == 400 else "engine_error")
+    return JSONResponse(build(texts))
+
+
+async def stream_events(gen: Generation, head: Callable[[], list[dict]],
+                        delta_chunk: Callable[[ChoiceDelta], list[dict]],
+                        usage_chunk: Callable[[], dict] | None) -> AsyncIterator[str]:
+    """The SSE body: ``head`` chunks, one or more chunks per delta, the usage chunk, [DONE].
+
+    A failure after the stream has started becomes an error event, then [DONE]: the client
+    never sees a dropped connection. A disconnect cancels this generator, and leaving the
+    ``async with`` aborts the engine requests.
+    """
+    try:
+        async with gen:
+            for chunk in head():
+                yield sse_data(chunk)
+            async for d in gen.deltas():
+                for chunk in delta_chunk(d):
+                    yield sse_data(chunk)
+            if usage_chunk is not None:
+                yield sse_data(usage_chunk())
+    except GenerationFailed as e:
+        log.warning("request %s failed mid-stream: %s", gen.request_id, e.message)
+        status = 400 if e.is_client_error else 500
+        yield sse_data(error_body(status, e.message, None,
+                                  None if status == 400 else "engine_error"))
+    except Exception as e:  # a bug of ours: still end the stream properly
+        log.exception("request %s: stream failed", gen.request_id)
+        yield sse_data(error_body(500, f"internal error: {e}", None, "internal_error"))
+    yield DONE

@@ -1,0 +1,266 @@
+"""AsyncEngine: EngineCore in its own thread, an asyncio front that only posts messages.
+
+The engine thread is the single owner of the EngineCore. The asyncio side never touches it:
+it posts typed messages (``_Add``, ``_Abort``, ``_Shutdown``) into a thread-safe inbox and
+reads each request's output from an ``OutputStream`` that the engine thread feeds through
+``loop.call_soon_threadsafe``. Between two steps the thread drains the whole inbox, so an
+abort (a client that went away) takes effect before the next step and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from met.cache.kv_manager import KVStats
+from met.engine.core import EngineCore, RequestUpdate
+from met.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# How long the engine thread waits for messages when a step produced nothing (e.g. a
+# non-final prefill chunk or a request that cannot be admitted yet): short, so it never
+# delays work, long enough not to spin a core.
+_IDLE_POLL_S = 0.001
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Delivered on a request's stream instead of an update when the engine could not serve it."""
+
+    request_id: str
+    message: str
+    is_client_error: bool  # True: the request itself was invalid (a 400), else an engine fault
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every inbox drain and every step."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv: KVStats | None
+
+
+StreamItem = RequestUpdate | RequestFailed
+
+
+class OutputStream:
+    """The outputs of one or more engine requests (an HTTP request's choices), in order."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+
+    def put(self, item: StreamItem) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self, timeout: float | None = None) -> StreamItem:
+        """Next item; raises TimeoutError after ``timeout`` seconds (None: wait forever)."""
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation (a client that
+        # disconnected) when an item arrives in the same loop iteration, and the request
+        # would then run to the end instead of being aborted.
+        async with asyncio.timeout(None if timeout is None else max(timeout, 0.0)):
+            return await self._queue.get()
+
+
+class EngineState:
+    LOADING = "loading"
+    READY = "ready"
+    FAULTED = "faulted"
+    STOPPED = "stopped"
+
+
+class AsyncEngine:
+    """Runs an EngineCore (built by ``core_factory`` in the engine thread) beside asyncio.
+
+    Call ``start()`` from the event loop; ``add_request``/``abort_request`` from the same loop.
+    ``state`` is loading until the core is built, then ready (or faulted, with ``fault_reason``).
+    """
+
+    def __init__(self, core_factory: Callable[[], EngineCore]):
+        self._core_factory = core_factory
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, OutputStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = asyncio.Event()
+        self.state = EngineState.LOADING
+        self.fault_reason: str | None = None
+        self.core: EngineCore | None = None  # read-only from the loop: immutable config only
+        self.stats = EngineStats(0, 0, 0, None)
+        self.load_seconds: float | None = None
+
+    # ------------------------------------------------------------------ asyncio side
+
+    def start(self) -> None:
+        """Start the engine thread; it builds the core, then serves messages until shutdown."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="met-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Return once the core is built (or the load failed: check ``state``)."""
+        await self._ready.wait()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    stream: OutputStream) -> None:
+        """Queue a request whose updates go to ``stream``. Validate before calling this."""
+        if self.state != EngineState.READY:
+            raise RuntimeError(f"engine is {self.state}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._streams[request_id] = stream
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params))
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its stream gets nothing more. Unknown or finished ids are ignored."""
+        if self._streams.pop(request_id, None) is not None:
+            self._inbox.put(_Abort(request_id))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests (choices) added and not yet finished or aborted, as the loop sees them."""
+        return len(self._streams)
+
+    async def shutdown(self) -> None:
+        """Abort what is left, stop the engine thread and wait for it."""
+        self._deliver([RequestFailed(rid, "the server is shutting down", False)
+                       for rid in list(self._streams)])
+        self._inbox.put(_Shutdown())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+        if self.state != EngineState.FAULTED:
+            self.state = EngineState.STOPPED
+
+    def _deliver(self, items: list[StreamItem]) -> None:
+        for item in items:
+            stream = self._streams.get(item.request_id)
+            if stream is None:
+                continue  # aborted: drop what was produced in the step that raced the abort
+            if isinstance(item, RequestFailed) or item.finished:
+                del self._streams[item.request_id]
+            stream.put(item)
+
+    def _set_ready(self) -> None:
+        self._ready.set()
+
+    def _post(self, items: list[StreamItem]) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            core = self._core_factory()
+        except BaseException as e:  # any load failure becomes the fault reason
+            log.exception("model load failed")
+            self.fault_reason = f"model load failed: {e}"
+            self.state = EngineState.FAULTED
+            self._call_loop(self._set_ready)
+            return
+        self.core = core
+        self.load_seconds = time.perf_counter() - start
+        self._publish(core)
+        self.state = EngineState.READY
+        self._call_loop(self._set_ready)
+        try:
+            self._serve(core)
+        except BaseException as e:  # the loop itself broke: fault every request
+            log.exception("engine loop crashed")
+            self.fault_reason = f"engine loop crashed: {e}"
+            self.state = EngineState.FAULTED
+            self._call_loop(self._fail_all_streams)
+
+    def _call_loop(self, fn: Callable[[], None]) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn)
+
+    def _fail_all_streams(self) -> None:
+        self._deliver([RequestFailed(rid, f"engine faulted: {self.fault_reason}", False)
+                       for rid in list(self._streams)])
+
+    def _serve(self, core: EngineCore) -> None:
+        stalled = False  # the last step produced nothing (a prefill chunk, or no room yet)
+        while True:
+            if not core.has_unfinished():
+                wait: float | None = None  # idle: sleep until a message comes
+            else:
+                wait = _IDLE_POLL_S if stalled else 0.0
+            failed: list[StreamItem] = []
+            for msg in self._drain(wait):
+                if isinstance(msg, _Shutdown):
+                    for rid in list(core.requests):
+                        core.abort_request(rid)
+                    self._publish(core)
+                    return
+                if isinstance(msg, _Add):
+                    try:
+                        core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                    except ValueError as e:
+                        failed.append(RequestFailed(msg.request_id, str(e), True))
+                else:
+                    core.abort_request(msg.request_id)
+            # Publish before posting, so a client that sees its response sees fresh stats.
+            self._publish(core)
+            self._post(failed)
+            if not core.has_unfinished():
+                continue
+            try:
+                updates: list[StreamItem] = list(core.step())
+            except Exception as e:  # fail the batch, keep serving the rest
+                log.exception("engine step failed")
+                updates = self._fail_running(core, f"engine step failed: {e}")
+            self._publish(core)
+            self._post(updates)
+            stalled = not updates
+
+    def _fail_running(self, core: EngineCore, message: str) -> list[StreamItem]:
+        # The step's batch came from the running list; waiting requests were not touched.
+        victims = [r.request_id for r in list(core.scheduler.running)]
+        for rid in victims:
+            core.abort_request(rid)
+        return [RequestFailed(rid, message, False) for rid in victims]
+
+    def _drain(self, wait: float | None) -> list:
+        """Every message in the inbox; first wait up to ``wait`` s (None: forever) for one."""
+        messages = []
+        if wait is None or wait > 0:
+            try:
+                messages.append(self._inbox.get(timeout=wait))
+            except queue.Empty:
+                return messages
+        while True:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _publish(self, core: EngineCore) -> None:
+        sched = core.scheduler
+        self.stats = EngineStats(len(sched.running), len(sched.waiting), sched.num_preemptions,
+                                 core.kv_stats())

@@ -1,0 +1,1 @@
+"""Requests → engine requests: validation, chat templates, prompts, detokenization, stops."""

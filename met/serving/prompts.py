@@ -1,0 +1,108 @@
+"""Prompts → token ids: chat messages through the model's Jinja chat template, and the four
+completions prompt forms (string, list of strings, token ids, list of token-id lists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from met.serving.errors import InvalidRequest
+from met.serving.protocol import ChatMessage
+
+# chat_template_kwargs may not override the arguments we pass ourselves.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+    "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+})
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the engine sees it, plus its text (for echo)."""
+
+    token_ids: list[int]
+    text: str | None
+
+
+def load_chat_template(arg: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template text itself."""
+    if arg is None:
+        return None
+    path = Path(arg).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in arg:
+        raise ValueError(f"--chat-template: {arg!r} is neither a file nor a Jinja template")
+    return arg
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template expects them; content parts are joined to plain text."""
+    if not messages:
+        raise InvalidRequest("messages: must contain at least one message", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequest(
+                        f"messages.{i}.content.{j}: only text parts are supported "
+                        f"(got type {part.type!r})", f"messages.{i}.content.{j}.type")
+                texts.append(part.text)
+            content = "".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def render_chat(tokenizer: Any, template: str | None, messages: list[ChatMessage],
+                add_generation_prompt: bool = True,
+                template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    """Apply the chat template (Jinja via transformers) and tokenize the result."""
+    if tokenizer is None:
+        raise InvalidRequest("messages: this model has no tokenizer; use /v1/completions with "
+                             "token ids", "messages")
+    if not template:
+        raise InvalidRequest("messages: this model has no chat template; start the server with "
+                             "--chat-template", "messages")
+    conv = message_dicts(messages)
+    kwargs = dict(template_kwargs or {})
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if bad:
+        raise InvalidRequest(f"chat_template_kwargs: may not set {bad}", "chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(
+            conv, chat_template=template, add_generation_prompt=add_generation_prompt,
+            tokenize=False, **kwargs,
+        )
+    except Exception as e:  # jinja2 errors, raise_exception() in templates, bad kwargs
+        raise InvalidRequest(f"messages: the chat template failed: {e}", "messages") from None
+    # The template already placed BOS and friends; add no more (what transformers does too).
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return Prompt(ids, text)
+
+
+def completion_prompts(tokenizer: Any, prompt: Any) -> list[Prompt]:
+    """The four OpenAI prompt forms → one Prompt each (a string or token list is one prompt)."""
+    if isinstance(prompt, str):
+        return [_encode(tokenizer, prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequest("prompt: must be a non-empty string or list", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [Prompt([int(t) for t in prompt], None)]
+    if all(isinstance(p, str) for p in prompt):
+        return [_encode(tokenizer, p, f"prompt.{i}") for i, p in enumerate(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        return [Prompt([int(t) for t in p], None) for p in prompt]
+    raise InvalidRequest("prompt: do not mix strings and token ids in one list", "prompt")
+
+
+def _encode(tokenizer: Any, text: str, param: str) -> Prompt:
+    if tokenizer is None:
+        raise InvalidRequest(f"{param}: this model has no tokenizer; send token ids", param)
+    return Prompt(list(tokenizer(text)["input_ids"]), text)

@@ -1,0 +1,114 @@
+"""Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as
+OpenAI does; value ranges are checked in ``met.serving.validation`` so that every message
+names the field and the allowed range."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from met.serving.errors import InvalidRequest
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None  # accepted, unused
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+_PROMPT_FORMS = ("a string, a list of strings, a list of token ids, or a list of token-id "
+                 "lists")
+
+
+_FIELD_NAMES = frozenset(
+    name
+    for m in (StreamOptions, ContentPart, ChatMessage, ChatCompletionRequest, CompletionRequest,
+              TokenizeRequest, DetokenizeRequest)
+    for name in m.model_fields
+)
+
+
+def parse_body(model: type[_Body], body: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes an InvalidRequest naming it."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body: must be a JSON object", None, "invalid_request")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = max(e.errors(), key=lambda x: len(x["loc"]))  # the most specific one
+        loc = [str(p) for p in err["loc"]]
+        # Union members show up in loc ('prompt', 'str'); keep the user's field path only.
+        path = [p for p in loc if p.isdigit() or p in _FIELD_NAMES]
+        param = ".".join(path) or None
+        if loc and loc[0] == "prompt":
+            raise InvalidRequest(f"prompt: must be {_PROMPT_FORMS}", "prompt") from None
+        if err["type"] == "missing":
+            raise InvalidRequest(f"{param}: field required", param) from None
+        raise InvalidRequest(f"{param}: {err['msg']} (got {err.get('input')!r})"[:500],
+                             param) from None

@@ -1,0 +1,62 @@
+"""`met serve` flags → server configuration (the server itself is not started here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from met import cli
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Replace the server run by a recorder of what it would have been given."""
+    seen = {}
+
+    def fake_serve(engine_config, config):
+        seen["engine"], seen["server"] = engine_config, config
+        return 0
+
+    monkeypatch.setattr("met.api.server.serve", fake_serve)
+    return seen
+
+
+def test_serve_flags_reach_the_server_config(captured, tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.delenv("MET_API_KEY", raising=False)
+    ckpt = str(tiny_checkpoint("llama"))
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert cli.main(["serve", ckpt, "--port", "9001", "--api-key", "a", "--api-key", "b",
+                     "--served-model-name", "m1", "--served-model-name", "m2",
+                     "--chat-template", str(template),
+                     "--request-timeout", "7.5", "--max-queued-requests", "3",
+                     "--max-request-body", "1MiB", "--log-requests", "--max-num-seqs", "5"]) == 0
+    server, engine = captured["server"], captured["engine"]
+    assert server.port == 9001 and server.host == "127.0.0.1"
+    assert server.api_keys == ("a", "b")
+    assert server.served_model_names == ("m1", "m2")
+    assert server.chat_template == "{{ messages[0]['content'] }}"
+    assert server.request_timeout == 7.5 and server.max_queued_requests == 3
+    assert server.max_body_bytes == 1 << 20 and server.log_requests
+    assert engine.model == ckpt and engine.max_num_seqs == 5
+
+
+def test_serve_defaults(captured, tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("MET_API_KEY", "from-env")
+    ckpt = str(tiny_checkpoint("llama"))
+    assert cli.main(["serve", ckpt]) == 0
+    server = captured["server"]
+    assert server.port == 8888 and server.host == "127.0.0.1"
+    assert server.api_keys == ("from-env",)
+    assert server.served_model_names == (ckpt,)
+    assert server.request_timeout == 300 and server.max_queued_requests is None
+    assert server.max_body_bytes == 32 << 20
+
+
+def test_serve_with_a_missing_model_fails_fast():
+    run = subprocess.run([sys.executable, "-m", "met.cli", "serve", "/nowhere/model.gguf"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2
+    assert "does not exist" in run.stderr
