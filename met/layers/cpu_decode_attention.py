@@ -11,6 +11,17 @@ Batch invariance: a task computes its (request, kv head) alone, in a fixed order
 fixed float32 reduction tree, so a request's output never depends on how many requests share
 the call, where it sits in the batch, or how the tasks are spread over threads.
 
+Numerics: bf16 inputs are widened exactly to float32 and everything accumulates in float32;
+softmax subtracts the row max and uses a Cephes-style exp polynomial (~1 ulp). Against the
+per-request SDPA loop in float32 the outputs agree to ~1e-6; bf16 outputs are the float32
+result rounded once. Results are bitwise-reproducible on one machine; a CPU with another ISA
+level runs another clone of the kernel (AVX-512 / AVX2 / SSE2, picked at load time) and may
+differ in the last bits (FMA contraction).
+
+Speed (benchmarks/decode_attention.py, 64 requests x 9/3 heads x 64 dims, 140-204 context,
+bf16, one thread): ~0.6 ms per layer vs ~2.3 ms for the loop. The call is bound by reading
+the ~8 MB of keys and values about as much as by arithmetic.
+
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` and cached
 per process. Without a working compiler the module logs one warning and falls back to
 `decode_attention_reference`, a per-request SDPA loop with the same semantics.

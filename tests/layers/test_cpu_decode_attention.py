@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -132,3 +137,38 @@ def test_rejects_bad_slots_instead_of_reading_out_of_bounds():
     empty[1] = empty[0]
     with pytest.raises(RuntimeError, match="empty or out-of-range"):
         decode_attention(q, k, v, slots, empty, 0.25)
+
+
+def test_falls_back_to_sdpa_loop_with_one_warning_when_the_build_fails(tmp_path):
+    """No working compiler: one warning, then the reference loop gives the same answers."""
+    script = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+from met.layers.cpu_decode_attention import (
+    decode_attention, decode_attention_available, decode_attention_reference)
+q, k, v = torch.randn(2, 4, 16), torch.randn(2, 50, 16), torch.randn(2, 50, 16)
+slots, offsets = torch.arange(30), torch.tensor([0, 10, 30])
+assert not decode_attention_available()
+for _ in range(3):
+    out = decode_attention(q, k, v, slots, offsets, 0.25)
+assert torch.equal(out, decode_attention_reference(q, k, v, slots, offsets, 0.25))
+print("FELL_BACK")
+"""
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(tmp_path),  # no cached build to load
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FELL_BACK" in proc.stdout
+    warnings = [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith("WARNING met.layers.cpu_decode_attention")
+    ]
+    assert len(warnings) == 1, proc.stderr[-3000:]
