@@ -12,7 +12,7 @@ from met.config import EngineConfig
 from met.loader.model_loader import LoadedModel, load_model
 from met.runner.model_runner import ModelRunner, kv_bytes_per_block
 from met.sampling.params import SamplingParams
-from met.sampling.sampler import Sampler
+from met.sampling.sampler import Sampler, dry_breaker_ids
 from met.scheduler.request import Request
 from met.scheduler.scheduler import Scheduler
 
@@ -88,6 +88,10 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        if params.max_token_id() >= vocab:
+            raise ValueError(f"sampling params: token id {params.max_token_id()} (in "
+                             f"stop_token_ids, logit_bias, bad_words or allowed_token_ids) is "
+                             f"outside the vocabulary [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -102,6 +106,9 @@ class EngineCore:
             )
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
+        if params.dry_multiplier > 0:
+            req.dry_breaker_ids = dry_breaker_ids(params.dry_sequence_breakers,
+                                                  self.loaded.tokenizer)
         self.requests[request_id] = req
         self.scheduler.add(req)
 

@@ -2,23 +2,65 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+DRY_DEFAULT_BREAKERS: tuple[str, ...] = ("\n", ":", "\"", "*")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token, and when to stop.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k. A request with a seed
-    draws from its own generator, so its output never depends on its batch mates.
-    logprobs=None returns none; logprobs=k returns the chosen token's logprob plus the
-    k most likely tokens' (of the raw model distribution, before temperature/top-k/top-p).
+    Order of the logit edits: min_tokens masking → repetition / presence / frequency
+    penalties → bad_words and allowed_token_ids masks → logit_bias; then, for sampled rows,
+    top_n_sigma → temperature → top_k → min_p → top_p → sample. Greedy rows (temperature 0)
+    take the argmax of the edited logits.
+
+    - temperature 0 means greedy. top_k 0 or -1 disables top-k. min_p 0, top_n_sigma 0 and
+      top_p 1 are off.
+    - repetition_penalty (> 0, 1 = off) divides positive / multiplies negative logits of every
+      token seen in the last ``repetition_penalty_window`` tokens, prompt included.
+    - presence_penalty / frequency_penalty (−2..2) subtract ``presence`` once and
+      ``frequency × count`` for each token already generated (output tokens only, as OpenAI).
+    - lz_penalty (>= 0): for n = 3, 4, 5, the n-gram "last n−1 tokens + candidate" that
+      already occurs ``count`` times in the last 256 tokens costs the candidate
+      ``lz_penalty · (n − 2) · count``.
+    - DRY (dry_multiplier > 0 turns it on): a candidate that would extend a repeat of the
+      last ``m >= dry_allowed_length`` tokens costs ``dry_multiplier · dry_base^(m −
+      dry_allowed_length)``; matches never cross a sequence breaker (strings, each meaning
+      the last token of its tokenization, or token ids).
+    - logit_bias {token id: bias in [−100, 100]} is added last, after the penalties.
+    - bad_words: token-id sequences that are never completed in the output.
+    - allowed_token_ids: only these tokens can be generated.
+    - A request with a seed draws from its own generator, so its output never depends on its
+      batch mates.
+    - logprobs=k returns the chosen token's logprob plus the k most likely tokens' of the
+      **raw model distribution** (log-softmax of the model's logits, before any penalty,
+      mask, bias, temperature or filter).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    top_n_sigma: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_penalty_window: int = 256
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    lz_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str | int, ...] = DRY_DEFAULT_BREAKERS
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    allowed_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -28,21 +70,82 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k: must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if not (self.top_n_sigma >= 0 and math.isfinite(self.top_n_sigma)):
+            raise ValueError(f"top_n_sigma: must be >= 0 (0 = off), got {self.top_n_sigma}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty: must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.repetition_penalty_window < 1:
+            raise ValueError(f"repetition_penalty_window: must be >= 1, got "
+                             f"{self.repetition_penalty_window}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
+        if not (self.lz_penalty >= 0 and math.isfinite(self.lz_penalty)):
+            raise ValueError(f"lz_penalty: must be >= 0 (0 = off), got {self.lz_penalty}")
+        if not (self.dry_multiplier >= 0 and math.isfinite(self.dry_multiplier)):
+            raise ValueError(f"dry_multiplier: must be >= 0 (0 = off), got {self.dry_multiplier}")
+        if not (self.dry_base > 1 and math.isfinite(self.dry_base)):
+            raise ValueError(f"dry_base: must be > 1, got {self.dry_base}")
+        if self.dry_allowed_length < 1:
+            raise ValueError(f"dry_allowed_length: must be >= 1, got {self.dry_allowed_length}")
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
-        # Accept any iterable of ints from callers, store an immutable tuple.
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        # Accept any iterable / mapping from callers, store immutable (hashable) values.
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
+                                                              self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        words = tuple(_token_ids("bad_words", w) for w in self.bad_words)
+        if any(not w for w in words):
+            raise ValueError("bad_words: each entry must be a non-empty token-id sequence")
+        object.__setattr__(self, "bad_words", words)
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not allowed:
+                raise ValueError("allowed_token_ids: must name at least one token id")
+            object.__setattr__(self, "allowed_token_ids", allowed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def max_token_id(self) -> int:
+        """The largest token id any parameter names (-1 when none): checked against the vocab."""
+        ids = [*self.stop_token_ids, *(t for t, _ in self.logit_bias or ()),
+               *(t for w in self.bad_words for t in w), *(self.allowed_token_ids or ())]
+        return max(ids, default=-1)
+
+
+def _token_ids(name: str, ids: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(int(t) for t in ids)
+    if any(t < 0 for t in out):
+        raise ValueError(f"{name}: token ids must be >= 0, got {[t for t in out if t < 0][:5]}")
+    return out
+
+
+def _logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]] | None
+                ) -> tuple[tuple[int, float], ...] | None:
+    if bias is None:
+        return None
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    out = tuple(sorted((int(t), float(b)) for t, b in items))
+    for t, b in out:
+        if t < 0:
+            raise ValueError(f"logit_bias: token ids must be >= 0, got {t}")
+        if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: biases must be in [-100, 100], got {b} for token {t}")
+    return out or None

@@ -1,17 +1,26 @@
 """Batched sampler: per-row parameters become tensors, one vectorised pass per step.
 
+Pipeline (each stage only touches the rows that use it):
+min_tokens mask → repetition / presence / frequency / LZ / DRY penalties → bad_words and
+allowed_token_ids masks → logit_bias → [greedy rows: argmax] → top-n-σ → temperature →
+top-k → min-p → top-p → sample.
+
 Randomness comes from an exponential race (argmax of p / E, E ~ Exp(1)), which samples
 exactly from p. Each seeded request draws its E from its own generator, so its tokens
-never depend on its batch mates or its row.
+never depend on its batch mates or its row. Logprobs are of the raw model distribution.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from met.sampling.params import SamplingParams
 from met.scheduler.request import Request
+
+_NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -33,14 +42,18 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = _mask_until_min_tokens(logits, requests)
+        logits = process_logits(logits, requests)
 
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows)
+            rows = torch.tensor(sampled_rows, device=logits.device)
             sub = [requests[i] for i in sampled_rows]
-            tokens[rows] = self._sample(logits[rows], sub)
+            probs = sampling_probs(logits[rows], [r.params for r in sub])
+            race = torch.empty(probs.shape, dtype=torch.float32)
+            for i, r in enumerate(sub):
+                race[i].exponential_(generator=r.generator or self.generator)
+            tokens[rows] = (probs / race.to(probs.device)).argmax(dim=-1)
 
         token_list = tokens.tolist()
         logprobs = [
@@ -50,27 +63,261 @@ class Sampler:
         ]
         return SampleResult(token_list, logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in requests]).unsqueeze(1)
-        logits = logits / temps
-        logits = _apply_top_k(logits, [r.params.top_k for r in requests])
-        logits = _apply_top_p(logits, [r.params.top_p for r in requests])
-        probs = torch.softmax(logits, dim=-1)
-        race = torch.empty_like(probs)
-        for i, r in enumerate(requests):
-            race[i].exponential_(generator=r.generator or self.generator)
-        return (probs / race).argmax(dim=-1)
+
+def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The logit edits every row gets, greedy or not (in place on a float32 copy)."""
+    logits = logits.clone()
+    _mask_until_min_tokens(logits, requests)
+    _apply_repetition_penalty(logits, requests)
+    _apply_presence_frequency(logits, requests)
+    _apply_lz_penalty(logits, requests)
+    _apply_dry(logits, requests)
+    _apply_bad_words(logits, requests)
+    _apply_allowed_token_ids(logits, requests)
+    _apply_logit_bias(logits, requests)
+    return logits
 
 
-def _mask_until_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution sampled rows draw from: top-n-σ → temperature → top-k → min-p →
+    top-p → softmax."""
+    logits = _apply_top_n_sigma(logits, [p.top_n_sigma for p in params])
+    temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+    logits = logits / temps
+    logits = _apply_top_k(logits, [p.top_k for p in params])
+    logits = _apply_min_p(logits, [p.min_p for p in params])
+    logits = _apply_top_p(logits, [p.top_p for p in params])
+    return torch.softmax(logits, dim=-1)
+
+
+def _index(rows: list[int], cols: list[int], device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+
+
+def _rows(requests: list[Request], active) -> list[int]:
+    return [i for i, r in enumerate(requests) if active(r.params)]
+
+
+def _padded(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Token lists → [R, max_len] with padding id ``vocab`` (an extra, discarded column)."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), max(width, 1)), vocab, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] occurrence counts of each token in each row's list."""
+    ids = _padded(seqs, vocab, device)
+    counts = torch.zeros(len(seqs), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _mask_until_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     for i, r in enumerate(requests):
         if r.num_output_tokens < r.params.min_tokens:
             stop_ids = set(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 stop_ids |= r.eos_token_ids
             if stop_ids:
-                logits[i, list(stop_ids)] = float("-inf")
-    return logits
+                logits[i, list(stop_ids)] = _NEG_INF
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> None:
+    """HF / vLLM rule over the last ``repetition_penalty_window`` tokens (prompt included):
+    a seen token's logit is divided by the penalty when positive, multiplied when not."""
+    rows = _rows(requests, lambda p: p.repetition_penalty != 1.0)
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    seqs = [requests[i].all_token_ids[-requests[i].params.repetition_penalty_window:]
+            for i in rows]
+    seen = _counts(seqs, vocab, logits.device) > 0
+    pen = torch.tensor([requests[i].params.repetition_penalty for i in rows],
+                       device=logits.device).unsqueeze(1)
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits[idx]
+    penalised = torch.where(sub > 0, sub / pen, sub * pen)
+    logits[idx] = torch.where(seen, penalised, sub)
+
+
+def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request]) -> None:
+    """OpenAI's rule over the generated tokens: logit -= frequency·count + presence·[count>0]."""
+    rows = _rows(requests, lambda p: p.presence_penalty != 0 or p.frequency_penalty != 0)
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    counts = _counts([requests[i].output_token_ids for i in rows], vocab, logits.device)
+    pres = torch.tensor([requests[i].params.presence_penalty for i in rows],
+                        device=logits.device).unsqueeze(1)
+    freq = torch.tensor([requests[i].params.frequency_penalty for i in rows],
+                        device=logits.device).unsqueeze(1)
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] -= freq * counts + pres * (counts > 0)
+
+
+LZ_WINDOW = 256
+LZ_NGRAMS = (3, 4, 5)
+
+
+def lz_counts(tokens: list[int]) -> dict[int, int]:
+    """{candidate: Σ over n of (n − 2) · occurrences of (last n−1 tokens + candidate) in the
+    last LZ_WINDOW tokens}."""
+    w = tokens[-LZ_WINDOW:]
+    out: dict[int, int] = {}
+    for n in LZ_NGRAMS:
+        if len(w) < n:
+            break
+        ctx = w[len(w) - n + 1:]
+        for i in range(len(w) - n + 1):
+            if w[i:i + n - 1] == ctx:
+                t = w[i + n - 1]
+                out[t] = out.get(t, 0) + n - 2
+    return out
+
+
+def _apply_lz_penalty(logits: torch.Tensor, requests: list[Request]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    amounts: list[float] = []
+    for i, r in enumerate(requests):
+        if r.params.lz_penalty == 0:
+            continue
+        for t, c in lz_counts(r.all_token_ids).items():
+            rows.append(i)
+            cols.append(t)
+            amounts.append(-r.params.lz_penalty * c)
+    if rows:
+        logits.index_put_(_index(rows, cols, logits.device),
+                          torch.tensor(amounts, device=logits.device), accumulate=True)
+
+
+DRY_MAX_MATCH = 50  # longer matches count as 50 (keeps base^m finite; as text-gen-webui)
+
+
+def dry_breaker_ids(breakers: tuple[str | int, ...], tokenizer) -> frozenset[int]:
+    """Token ids of DRY sequence breakers: an int is a token id; a string is the last token
+    of ``"a" + string`` (its own token when it follows text, as text-generation-webui does)."""
+    out = set()
+    for b in breakers:
+        if isinstance(b, int):
+            out.add(b)
+        elif tokenizer is not None and b:
+            ids = tokenizer.encode("a" + b, add_special_tokens=False)
+            if ids:
+                out.add(ids[-1])
+    return frozenset(out)
+
+
+def dry_match_lengths(tokens: list[int], breakers: frozenset[int]) -> dict[int, int]:
+    """{candidate: length of the longest suffix of ``tokens`` that already occurred right
+    before an earlier occurrence of candidate}, never matching across a breaker."""
+    n = len(tokens)
+    if n < 2 or tokens[-1] in breakers:
+        return {}
+    last = tokens[-1]
+    out: dict[int, int] = {}
+    for i in range(n - 1):
+        if tokens[i] != last:
+            continue
+        nxt = tokens[i + 1]
+        if nxt in breakers:
+            continue
+        length = 1
+        while length < DRY_MAX_MATCH:
+            j = i - length
+            prev = tokens[n - 1 - length]
+            if j < 0 or tokens[j] != prev or prev in breakers:
+                break
+            length += 1
+        if length > out.get(nxt, 0):
+            out[nxt] = length
+    return out
+
+
+def _apply_dry(logits: torch.Tensor, requests: list[Request]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    amounts: list[float] = []
+    for i, r in enumerate(requests):
+        p = r.params
+        if p.dry_multiplier == 0:
+            continue
+        for t, m in dry_match_lengths(r.all_token_ids, r.dry_breaker_ids).items():
+            if m >= p.dry_allowed_length:
+                rows.append(i)
+                cols.append(t)
+                amounts.append(-p.dry_multiplier * p.dry_base ** (m - p.dry_allowed_length))
+    if rows:
+        logits.index_put_(_index(rows, cols, logits.device),
+                          torch.tensor(amounts, device=logits.device), accumulate=True)
+
+
+def _apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Ban the token that would complete a bad word: its last token, whenever the output
+    ends with the word's other tokens (always, for a one-token word)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(requests):
+        if not r.params.bad_words:
+            continue
+        out = r.output_token_ids
+        for word in r.params.bad_words:
+            prefix = word[:-1]
+            if len(prefix) <= len(out) and (not prefix or tuple(out[-len(prefix):]) == prefix):
+                rows.append(i)
+                cols.append(word[-1])
+    if rows:
+        logits[_index(rows, cols, logits.device)] = _NEG_INF
+
+
+def _apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> None:
+    rows = _rows(requests, lambda p: p.allowed_token_ids is not None)
+    if not rows:
+        return
+    keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    for j, i in enumerate(rows):
+        keep[j, list(requests[i].params.allowed_token_ids)] = True
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~keep, _NEG_INF)
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, r in enumerate(requests):
+        for t, b in r.params.logit_bias or ():
+            rows.append(i)
+            cols.append(t)
+            biases.append(b)
+    if rows:
+        logits.index_put_(_index(rows, cols, logits.device),
+                          torch.tensor(biases, device=logits.device), accumulate=True)
+
+
+def _apply_top_n_sigma(logits: torch.Tensor, ns: list[float]) -> torch.Tensor:
+    """Keep tokens whose logit is within n population standard deviations of the row's max
+    (statistics over the tokens still allowed)."""
+    if all(n <= 0 for n in ns):
+        return logits
+    n_t = torch.tensor([n if n > 0 else math.inf for n in ns],
+                       device=logits.device).unsqueeze(1)
+    finite = torch.isfinite(logits)
+    count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
+    vals = torch.where(finite, logits, torch.zeros_like(logits))
+    mean = vals.sum(dim=-1, keepdim=True) / count
+    var = (torch.where(finite, logits - mean, torch.zeros_like(logits)) ** 2).sum(
+        dim=-1, keepdim=True) / count
+    top = logits.max(dim=-1, keepdim=True).values
+    threshold = top - n_t * var.sqrt()
+    # n = inf (off): threshold is -inf or nan; keep everything for those rows.
+    threshold = torch.where(torch.isinf(n_t), torch.full_like(top, _NEG_INF), threshold)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
@@ -78,20 +325,32 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
     if all(k == vocab for k in ks):
         return logits
-    k_t = torch.tensor(ks).unsqueeze(1)
+    k_t = torch.tensor(ks, device=logits.device).unsqueeze(1)
     kth = logits.sort(dim=-1, descending=True).values.gather(1, k_t - 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Keep tokens with p >= min_p · p_max, i.e. logit >= max + log(min_p)."""
+    if all(p <= 0 for p in min_ps):
+        return logits
+    log_p = torch.tensor([math.log(p) if p > 0 else _NEG_INF for p in min_ps],
+                         device=logits.device).unsqueeze(1)
+    threshold = logits.max(dim=-1, keepdim=True).values + log_p
+    return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
 def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     if all(p >= 1.0 for p in top_ps):
         return logits
-    p_t = torch.tensor(top_ps).unsqueeze(1)
+    # Rows with top_p = 1 get +inf so float rounding in the cumsum never drops a token.
+    p_t = torch.tensor([p if p < 1.0 else math.inf for p in top_ps],
+                       device=logits.device).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
     drop = (probs.cumsum(dim=-1) - probs) >= p_t
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 

@@ -41,6 +41,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    dry_breaker_ids: frozenset[int] = frozenset()  # DRY sequence breakers as token ids
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -37,6 +37,8 @@ class ChoiceDelta:
     index: int
     text: str
     finish_reason: str | None = None
+    # (token id, {token id: logprob}) for the tokens this delta covers, when asked for.
+    logprobs: tuple[tuple[int, dict[int, float]], ...] = ()
 
 
 @dataclass
@@ -52,6 +54,8 @@ class ChoiceState:
     stop_reason: str | int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    num_logprobs_sent: int = 0  # how many of ``logprobs`` a delta has carried
 
     @property
     def finished(self) -> bool:
@@ -157,6 +161,8 @@ class Generation:
             c.num_cached_tokens = u.num_cached_tokens
         c.last_token_at = now
         c.num_tokens += len(u.new_token_ids)
+        if u.new_logprobs:
+            c.logprobs.extend(zip(u.new_token_ids, u.new_logprobs, strict=True))
         check = c.num_tokens >= self.options.min_tokens
         text, stop = c.matcher.feed(c.detok.push(u.new_token_ids), check)
         if stop is None and u.finished:
@@ -169,7 +175,15 @@ class Generation:
         if u.finished:
             c.stop_reason = u.stop_reason
             return self._finish(c, text, u.finish_reason or "stop")
-        return ChoiceDelta(c.index, text) if text else None
+        return ChoiceDelta(c.index, text, logprobs=self._take_logprobs(c)) if text else None
+
+    @staticmethod
+    def _take_logprobs(c: ChoiceState) -> tuple[tuple[int, dict[int, float]], ...]:
+        """Logprobs not yet sent: a delta carries those of every token since the last one
+        (tokens whose text is held back wait for the delta that releases it)."""
+        new = tuple(c.logprobs[c.num_logprobs_sent:])
+        c.num_logprobs_sent = len(c.logprobs)
+        return new
 
     def _final_text(self, c: ChoiceState) -> tuple[str, str | None]:
         """The generation ended: release held text (it can no longer grow into a stop)."""
@@ -181,7 +195,7 @@ class Generation:
     def _finish(self, c: ChoiceState, text: str, reason: str) -> ChoiceDelta:
         c.finish_reason = reason
         self._done(c)
-        return ChoiceDelta(c.index, text, reason)
+        return ChoiceDelta(c.index, text, reason, self._take_logprobs(c))
 
     def _done(self, c: ChoiceState) -> None:
         if self.on_choice_done is not None:

@@ -48,6 +48,20 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_p: float | None = None
+    top_n_sigma: float | None = None
+    repetition_penalty: float | None = None
+    repetition_penalty_window: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    lz_penalty: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token id → bias
+    bad_words: list[str | list[int]] | None = None  # strings (tokenized here) or token ids
+    allowed_token_ids: list[int] | None = None
     user: str | None = None  # accepted, unused
 
     @property
@@ -58,6 +72,8 @@ class SamplingFields(_Body):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
@@ -66,6 +82,7 @@ class CompletionRequest(SamplingFields):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None
 
 
 class TokenizeRequest(_Body):

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from met.sampling.params import SamplingParams
+from met.sampling.params import (
+    DRY_DEFAULT_BREAKERS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+)
 from met.serving.errors import InvalidRequest, from_value_error
-from met.serving.protocol import SamplingFields
+from met.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 MAX_N = 128
 _MAX_SEED = 2**63 - 1
@@ -62,6 +68,98 @@ def check_ranges(req: SamplingFields, max_tokens: int | None,
     for s in stop_strings(req):
         if not s:
             raise InvalidRequest("stop: stop strings must be non-empty", "stop")
+    _in_range("min_p", req.min_p, 0.0, 1.0)
+    if req.top_n_sigma is not None and not req.top_n_sigma >= 0:
+        raise InvalidRequest(f"top_n_sigma: must be >= 0 (0 = off), got {req.top_n_sigma}",
+                             "top_n_sigma")
+    if req.repetition_penalty is not None and not 0 < req.repetition_penalty <= 10:
+        raise InvalidRequest(f"repetition_penalty: must be in (0, 10] (1 = off), got "
+                             f"{req.repetition_penalty}", "repetition_penalty")
+    if req.repetition_penalty_window is not None and req.repetition_penalty_window < 1:
+        raise InvalidRequest(f"repetition_penalty_window: must be >= 1, got "
+                             f"{req.repetition_penalty_window}", "repetition_penalty_window")
+    _in_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _in_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    if req.lz_penalty is not None and not req.lz_penalty >= 0:
+        raise InvalidRequest(f"lz_penalty: must be >= 0 (0 = off), got {req.lz_penalty}",
+                             "lz_penalty")
+    if req.dry_multiplier is not None and not req.dry_multiplier >= 0:
+        raise InvalidRequest(f"dry_multiplier: must be >= 0 (0 = off), got "
+                             f"{req.dry_multiplier}", "dry_multiplier")
+    if req.dry_base is not None and not 1 < req.dry_base <= 10:
+        raise InvalidRequest(f"dry_base: must be in (1, 10], got {req.dry_base}", "dry_base")
+    if req.dry_allowed_length is not None and req.dry_allowed_length < 1:
+        raise InvalidRequest(f"dry_allowed_length: must be >= 1, got {req.dry_allowed_length}",
+                             "dry_allowed_length")
+    logit_bias(req)
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise InvalidRequest("allowed_token_ids: must name at least one token id",
+                             "allowed_token_ids")
+    for w in req.bad_words or ():
+        if not (w.strip() if isinstance(w, str) else w):
+            raise InvalidRequest("bad_words: entries must be non-empty strings or token-id "
+                                 "lists", "bad_words")
+    requested_logprobs(req)
+
+
+def requested_logprobs(req: SamplingFields) -> int | None:
+    """How many top logprobs the engine must return per token (None: no logprobs).
+
+    Chat: ``logprobs`` (bool) + ``top_logprobs`` in [0, 20]; completions: ``logprobs`` in
+    [0, 20] (OpenAI caps it at 5; vLLM, like us, at 20)."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None:
+            _in_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)
+            if not req.logprobs:
+                raise InvalidRequest("top_logprobs: requires logprobs to be true",
+                                     "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        _in_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
+        return req.logprobs
+    return None
+
+
+def logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """``logit_bias`` with integer token ids; 400 for a key that is not one or a bias out of
+    [-100, 100]."""
+    if req.logit_bias is None:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key!r}",
+                                 "logit_bias") from None
+        if tid < 0:
+            raise InvalidRequest(f"logit_bias: keys must be token ids >= 0, got {key!r}",
+                                 "logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias: biases must be in [-100, 100], got {bias} for "
+                                 f"token {key}", "logit_bias")
+        out[tid] = bias
+    return out
+
+
+def bad_words_ids(req: SamplingFields, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as token-id sequences. A string bans both its tokenization alone and
+    with a leading space (as vLLM does), since mid-text words usually carry the space."""
+    out: list[tuple[int, ...]] = []
+    for w in req.bad_words or ():
+        if isinstance(w, list):
+            variants = [tuple(w)]
+        elif tokenizer is None:
+            raise InvalidRequest("bad_words: strings need a tokenizer; pass token-id lists",
+                                 "bad_words")
+        else:
+            text = w.lstrip()
+            variants = [tuple(tokenizer.encode(v, add_special_tokens=False))
+                        for v in (text, " " + text)]
+        for v in variants:
+            if v and v not in out:
+                out.append(v)
+    return tuple(out)
 
 
 def stop_strings(req: SamplingFields) -> tuple[str, ...]:
@@ -72,7 +170,8 @@ def stop_strings(req: SamplingFields) -> tuple[str, ...]:
 
 def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
                  limits: ModelLimits, default_max_tokens: int | None,
-                 prompt_param: str, max_tokens_param: str = "max_tokens") -> SamplingParams:
+                 prompt_param: str, max_tokens_param: str = "max_tokens",
+                 tokenizer: Any = None) -> SamplingParams:
     """SamplingParams for one prompt of ``prompt_len`` tokens, or an InvalidRequest.
 
     ``max_tokens=None`` uses ``default_max_tokens`` (None: the rest of the context), clamped
@@ -85,10 +184,16 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens > room:
         raise _too_long(prompt_len, max_tokens, limits, max_tokens_param, prompt_param)
-    for t in req.stop_token_ids or ():
-        if not 0 <= t < limits.vocab_size:
-            raise InvalidRequest(f"stop_token_ids: {t} is outside the vocabulary "
-                                 f"[0, {limits.vocab_size})", "stop_token_ids")
+    bias = logit_bias(req)
+    bad_words = bad_words_ids(req, tokenizer)
+    for name, ids in (("stop_token_ids", req.stop_token_ids or ()),
+                      ("logit_bias", bias or ()),
+                      ("bad_words", (t for w in bad_words for t in w)),
+                      ("allowed_token_ids", req.allowed_token_ids or ())):
+        for t in ids:
+            if not 0 <= t < limits.vocab_size:
+                raise InvalidRequest(f"{name}: token id {t} is outside the vocabulary "
+                                     f"[0, {limits.vocab_size})", name)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -99,6 +204,24 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             min_tokens=min(req.min_tokens, max_tokens),
+            min_p=req.min_p or 0.0,
+            top_n_sigma=req.top_n_sigma or 0.0,
+            repetition_penalty=(1.0 if req.repetition_penalty is None
+                                else req.repetition_penalty),
+            repetition_penalty_window=req.repetition_penalty_window or 256,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            lz_penalty=req.lz_penalty or 0.0,
+            dry_multiplier=req.dry_multiplier or 0.0,
+            dry_base=1.75 if req.dry_base is None else req.dry_base,
+            dry_allowed_length=2 if req.dry_allowed_length is None else req.dry_allowed_length,
+            dry_sequence_breakers=(DRY_DEFAULT_BREAKERS if req.dry_sequence_breakers is None
+                                   else tuple(req.dry_sequence_breakers)),
+            logit_bias=bias,
+            bad_words=bad_words,
+            allowed_token_ids=(None if req.allowed_token_ids is None
+                               else tuple(req.allowed_token_ids)),
+            logprobs=requested_logprobs(req),
         )
     except ValueError as e:
         raise from_value_error(e) from None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from met.api.context import read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
+from met.api.openai.logprobs import chat_logprobs
 from met.api.sse import SSEResponse
 from met.serving.generate import ChoiceDelta, Generation
 from met.serving.prompts import render_chat
@@ -33,14 +36,19 @@ async def chat_completions(request: Request) -> Response:
                          req.add_generation_prompt, req.chat_template_kwargs)
     check_prompt_tokens(prompt.token_ids, model.limits, "messages")
     params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
-                          "messages", max_tokens_param)
+                          "messages", max_tokens_param, model.tokenizer)
+    top = params.logprobs
+
+    def logprobs(entries) -> dict | None:
+        return None if top is None else chat_logprobs(model.tokenizer, entries, top)
+
     ctx.check_queue()
     gen = ctx.new_generation(request, "chat", [prompt], [params], req.n, output_options(req))
     name = req.model or ctx.config.model_name
     cid = f"chatcmpl-{gen.request_id}"
     created = now()
     if req.stream:
-        return SSEResponse(_stream(gen, cid, created, name, req.include_usage))
+        return SSEResponse(_stream(gen, cid, created, name, req.include_usage, logprobs))
 
     def body(texts: list[str]) -> dict:
         return {
@@ -48,7 +56,7 @@ async def chat_completions(request: Request) -> Response:
             "choices": [{
                 "index": c.index,
                 "message": {"role": "assistant", "content": texts[c.index], "refusal": None},
-                "logprobs": None,
+                "logprobs": logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             } for c in gen.choices],
             "usage": usage(gen),
@@ -58,7 +66,8 @@ async def chat_completions(request: Request) -> Response:
     return await respond(request, gen, None, body)
 
 
-def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: bool):
+def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: bool,
+            logprobs: Callable[[list], dict | None]):
     def chunk(choices: list[dict]) -> dict:
         out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
                "system_fingerprint": None, "choices": choices}
@@ -66,8 +75,11 @@ def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: b
             out["usage"] = None
         return out
 
-    def choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def choice(index: int, delta: dict, finish_reason: str | None = None,
+               entries: tuple = ()) -> dict:
+        return {"index": index, "delta": delta,
+                "logprobs": logprobs(list(entries)) if entries else None,
+                "finish_reason": finish_reason}
 
     def head() -> list[dict]:
         return [chunk([choice(c.index, {"role": "assistant", "content": ""})])
@@ -75,8 +87,8 @@ def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: b
 
     def on_delta(d: ChoiceDelta) -> list[dict]:
         out = []
-        if d.text:
-            out.append(chunk([choice(d.index, {"content": d.text})]))
+        if d.text or d.logprobs:
+            out.append(chunk([choice(d.index, {"content": d.text}, None, d.logprobs)]))
         if d.finish_reason is not None:
             out.append(chunk([choice(d.index, {}, d.finish_reason)]))
         return out
