@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+import openai
 import pytest
 from serve_harness import ServerProcess
 
@@ -20,3 +22,16 @@ def start_server():
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official OpenAI SDK pointed at the module's server."""
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """A raw HTTP client for what the SDK hides (status codes, headers, SSE bytes)."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c

@@ -35,15 +35,6 @@ def offline(ckpt):
     return LLM(ckpt, dtype="float32", max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def greedy(offline: LLM, prompt, n: int) -> str:

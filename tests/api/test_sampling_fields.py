@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 
-import httpx
-import openai
 import pytest
 
 from met import LLM, SamplingParams
@@ -33,15 +31,6 @@ def offline(ckpt):
     return LLM(ckpt, dtype="float32", max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def complete(client, **kw):
