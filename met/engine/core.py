@@ -30,7 +30,7 @@ class RequestUpdate:
     new_logprobs: list[dict[int, float]]
     finished: bool
     finish_reason: str | None
-    stop_reason: int | None
+    stop_reason: int | str | None
     num_cached_tokens: int
 
 
@@ -131,13 +131,16 @@ class EngineCore:
             return []
         tables = {s.request.request_id: self.kv.block_table(s.request.request_id)
                   for s in sched.scheduled}
-        step_logits = self.runner.execute(sched, tables)
+        try:
+            step_logits = self.runner.execute(sched, tables)
+        except BaseException:
+            # The scheduler published this step's blocks to the prefix cache before they
+            # were computed; after a failed forward their KV cannot be trusted.
+            self.kv.pool.reset_prefix_cache()
+            raise
 
         for item in sched.scheduled:
-            req = item.request
-            req.num_computed_tokens += item.num_new_tokens
-            self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                           req.cache_extra_keys)
+            item.request.num_computed_tokens += item.num_new_tokens
 
         if not step_logits.request_ids:
             return []
@@ -166,6 +169,12 @@ class EngineCore:
                 return
             if not p.ignore_eos and token in req.eos_token_ids:
                 self.scheduler.finish(req, "stop")
+                return
+            rd = p.repetition_detection
+            if rd is not None and rd.matches(  # type: ignore[union-attr]
+                    req.all_token_ids, req.num_prompt_tokens):
+                req.stop_reason = "repetition"
+                self.scheduler.finish(req, "length")
                 return
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self.scheduler.finish(req, "length")

@@ -68,6 +68,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it is left in running
+            self._publish_blocks(req, req.num_computed_tokens + n)
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
@@ -87,9 +88,19 @@ class Scheduler:
                 req.num_cached_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._publish_blocks(req, start + n)
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _publish_blocks(self, req: Request, num_tokens: int) -> None:
+        """Index the full blocks this step will have computed, before the step runs.
+
+        A request admitted later in the same step can then hit them: every layer writes
+        the whole batch's KV before any request attends, so n samples of one prompt (or
+        any prompts sharing a prefix) submitted together compute that prefix once.
+        """
+        self.kv.commit(req.request_id, req.all_token_ids, num_tokens, req.cache_extra_keys)
 
     def _chunk_len(self, req: Request, start: int, budget: int) -> int:
         remaining = req.num_tokens - start

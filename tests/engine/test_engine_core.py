@@ -78,3 +78,51 @@ def test_seed_makes_sampling_reproducible_and_seeds_differ(llm):
     c = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=8))
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
     assert a[0].outputs[0].token_ids != c[0].outputs[0].token_ids
+
+
+def test_requests_sharing_a_prompt_compute_it_once_when_submitted_together(llm):
+    core: EngineCore = llm.engine
+    llm.reset_prefix_cache()
+    prompt = list(range(60, 100))  # 40 tokens: 2 full blocks + 8
+    for i in range(4):
+        core.add_request(f"s{i}", prompt, SamplingParams(max_tokens=4, temperature=1.0,
+                                                         seed=i, ignore_eos=True))
+    sched = core.scheduler.schedule()
+    # The first computes all 40 tokens; the other three reuse its 2 full blocks this step.
+    assert [s.num_new_tokens for s in sched.scheduled] == [40, 8, 8, 8]
+    assert core.kv_stats().num_blocks_in_use == 3 + 3 * 1
+    for i in range(4):
+        core.abort_request(f"s{i}")
+    assert core.kv_stats().num_blocks_in_use == 0
+
+
+def test_shared_prefix_in_one_step_gives_the_same_output_as_computing_it_alone(llm):
+    llm.reset_prefix_cache()
+    prompts = [{"prompt_token_ids": list(range(60, 100)) + [t]} for t in (5, 6, 7)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    assert [o.num_cached_tokens for o in together] == [0, 32, 32]
+    for prompt, out in zip(prompts, together, strict=True):
+        llm.reset_prefix_cache()
+        alone = llm.generate([prompt], params)[0]
+        assert alone.num_cached_tokens == 0
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_a_failed_forward_leaves_no_half_computed_prefix_in_the_cache(llm, monkeypatch):
+    core: EngineCore = llm.engine
+    llm.reset_prefix_cache()
+    prompt = list(range(100, 140))
+    core.add_request("boom", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("forward failed")
+
+    monkeypatch.setattr(core.runner, "execute", fail)
+    with pytest.raises(RuntimeError):
+        core.step()
+    monkeypatch.undo()
+    core.abort_request("boom")
+    assert core.kv_stats().num_blocks_cached == 0
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2))[0]
+    assert out.num_cached_tokens == 0
