@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -57,9 +58,14 @@ def _build_llm(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from met import SamplingParams
 
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, min_p=args.min_p, top_n_sigma=args.top_n_sigma,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logit_bias=args.logit_bias,
+        stop_token_ids=args.stop_token_ids,
+    )  # before loading the model, so a bad value fails at once
     llm = _build_llm(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     start = time.perf_counter()
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
@@ -68,9 +74,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     print(out.outputs[0].text)
     n = len(out.outputs[0].token_ids)
-    print(f"[{n} tokens in {elapsed:.2f}s, finish_reason={out.outputs[0].finish_reason}]",
-          file=sys.stderr)
+    stop = out.outputs[0].stop_reason
+    print(f"[{n} tokens in {elapsed:.2f}s, finish_reason={out.outputs[0].finish_reason}"
+          f"{'' if stop is None else f', stop_reason={stop}'}]", file=sys.stderr)
     return 0
+
+
+def _parse_logit_bias(text: str) -> dict[int, float]:
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError
+        return {int(k): float(v) for k, v in raw.items()}
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(
+            f"not a JSON object of token id -> bias: {text!r} (try '{{\"42\": 5.0}}')"
+        ) from None
+
+
+def _parse_token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a list of token ids: {text!r} (try 2,13)") from None
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampler's fields (see SamplingParams); defaults are the ones that turn each off."""
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--top-n-sigma", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2")
+    p.add_argument("--logit-bias", type=_parse_logit_bias, default=None,
+                   help='JSON {token id: bias in -100..100}, e.g. \'{"42": 5}\'')
+    p.add_argument("--stop-token-ids", type=_parse_token_ids, default=(),
+                   help="token ids that end the generation, e.g. 2,13")
+    p.add_argument("--seed", type=int, default=None)
 
 
 def _engine_config(args: argparse.Namespace):
@@ -134,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     _add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message with the model's chat template")
     gen.set_defaults(func=cmd_generate)

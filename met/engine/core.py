@@ -32,6 +32,9 @@ class RequestUpdate:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    # Set on the request's first update when it asked for prompt logprobs: one entry per
+    # prompt token, None for the first.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineCore:
@@ -138,6 +141,8 @@ class EngineCore:
             # were computed; after a failed forward their KV cannot be trusted.
             self.kv.pool.reset_prefix_cache()
             raise
+        for rid, (start, logits) in step_logits.prompt_logits.items():
+            self._add_prompt_logprobs(self.requests[rid], start, logits)
 
         for item in sched.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
@@ -152,13 +157,34 @@ class EngineCore:
             if lp is not None:
                 req.logprobs.append(lp)
             self._check_stop(req, token)
+            first = req.num_output_tokens == 1 and req.params.prompt_logprobs is not None
             updates.append(RequestUpdate(
                 req.request_id, [token], [lp] if lp is not None else [], req.is_finished,
                 req.finish_reason, req.stop_reason, req.num_cached_tokens or 0,
+                list(req.prompt_logprobs) if first else None,
             ))
             if req.is_finished:
                 del self.requests[req.request_id]
         return updates
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+        """Logits of positions start.. predict prompt tokens start+1..; positions already
+        done (a chunk recomputed after preemption) are skipped."""
+        top = req.params.prompt_logprobs or 0
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + len(logprobs)],
+                               device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top_vals, top_ids = (logprobs.topk(top) if top else (None, None))
+        for i, (target, lp) in enumerate(zip(targets.tolist(), chosen, strict=True)):
+            if start + 1 + i != len(req.prompt_logprobs):
+                continue
+            entry = {target: lp}
+            if top_vals is not None:
+                for v, t in zip(top_vals[i].tolist(), top_ids[i].tolist(), strict=True):
+                    entry.setdefault(t, v)
+            req.prompt_logprobs.append(entry)
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params

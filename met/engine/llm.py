@@ -127,8 +127,11 @@ class LLM:
             stop_reason=last.stop_reason,
             logprobs=logprobs if params.logprobs is not None else None,
         )
+        prompt_logprobs = next((u.prompt_logprobs for u in updates
+                                if u.prompt_logprobs is not None), None)
         return RequestOutput(rid, text, prompt_ids, [completion], finished=True,
-                             num_cached_tokens=last.num_cached_tokens)
+                             num_cached_tokens=last.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,9 @@ class StepLogits:
 
     request_ids: list[str]
     logits: torch.Tensor  # [len(request_ids), vocab]
+    # Requests that asked for prompt logprobs: request id → (first position, logits of the
+    # prompt positions this step computed, each predicting the token after it).
+    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -46,10 +49,28 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
         batch, sample_rows, sample_ids = self._build_batch(step, block_tables)
         hidden = self.model(batch, self.kv_caches)
+        prompt_logits = self._prompt_logits(step, hidden)
         if not sample_rows:
-            return StepLogits([], torch.empty(0))
+            return StepLogits([], torch.empty(0), prompt_logits)
         rows = torch.tensor(sample_rows, device=self.device)
-        return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]))
+        return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]), prompt_logits)
+
+    def _prompt_logits(self, step: SchedulerOutput,
+                       hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
+        """All-row logits, only for requests that asked for prompt logprobs: those of the
+        prompt positions 0..P-2 this step computed (the last prompt position's logits are
+        the usual sampled row)."""
+        out: dict[str, tuple[int, torch.Tensor]] = {}
+        q_start = 0
+        for item in step.scheduled:
+            req, n = item.request, item.num_new_tokens
+            start = req.num_computed_tokens
+            stop = min(start + n, req.num_prompt_tokens - 1)
+            if req.params.prompt_logprobs is not None and start < stop:
+                rows = hidden[q_start:q_start + stop - start]
+                out[req.request_id] = (start, self.model.compute_logits(rows))
+            q_start += n
+        return out
 
     def _build_batch(
         self, step: SchedulerOutput, block_tables: dict[str, list[int]]

@@ -1,5 +1,5 @@
 """Sampling parameters and the batched sampler."""
 
-from met.sampling.params import SamplingParams
+from met.sampling.params import RepetitionDetection, SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["RepetitionDetection", "SamplingParams"]

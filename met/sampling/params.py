@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 DRY_DEFAULT_BREAKERS: tuple[str, ...] = ("\n", ":", "\"", "*")
+
+
+@dataclass(frozen=True)
+class RepetitionDetection:
+    """Stop a generation whose output ends in one pattern repeated ``min_count`` times in a
+    row, for any pattern length in ``[min_pattern_size, max_pattern_size]`` tokens."""
+
+    min_pattern_size: int = 1
+    max_pattern_size: int = 32
+    min_count: int = 4
+
+    def __post_init__(self) -> None:
+        name = "repetition_detection"
+        if self.min_pattern_size < 1:
+            raise ValueError(f"{name}.min_pattern_size: must be >= 1, got "
+                             f"{self.min_pattern_size}")
+        if self.max_pattern_size < self.min_pattern_size:
+            raise ValueError(f"{name}.max_pattern_size: must be >= min_pattern_size "
+                             f"({self.min_pattern_size}), got {self.max_pattern_size}")
+        if self.min_count < 2:
+            raise ValueError(f"{name}.min_count: must be >= 2, got {self.min_count}")
+
+    def matches(self, tokens: Sequence[int], start: int = 0) -> bool:
+        """Whether ``tokens[start:]`` ends in a repeated pattern. Only the last
+        ``max_pattern_size × min_count`` tokens are read (no copy), and a pattern length is
+        dropped at its first mismatch, so text that does not repeat costs about one comparison
+        per pattern length."""
+        n = len(tokens)
+        for size in range(self.min_pattern_size, self.max_pattern_size + 1):
+            span = size * self.min_count
+            if span > n - start:
+                break
+            # The tail is `pattern × min_count` iff each of its tokens equals the one `size`
+            # positions later.
+            if all(tokens[i] == tokens[i + size] for i in range(n - span, n - size)):
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -38,9 +75,17 @@ class SamplingParams:
     - allowed_token_ids: only these tokens can be generated.
     - A request with a seed draws from its own generator, so its output never depends on its
       batch mates.
+    - repetition_detection: once ``min_tokens`` are out, an output that ends in one pattern
+      (``min_pattern_size``..``max_pattern_size`` tokens) repeated ``min_count`` times in a
+      row finishes with finish_reason "length" and stop_reason "repetition". A mapping with
+      those keys is accepted.
     - logprobs=k returns the chosen token's logprob plus the k most likely tokens' of the
       **raw model distribution** (log-softmax of the model's logits, before any penalty,
       mask, bias, temperature or filter).
+    - prompt_logprobs=k gives, for each prompt token after the first, its logprob given the
+      tokens before it plus the k most likely tokens there (raw distribution; the first
+      token has None). Such a request skips the prefix cache, so that every prompt position
+      is computed.
     """
 
     max_tokens: int = 16
@@ -66,6 +111,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_detection: RepetitionDetection | Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -105,6 +152,19 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
+        rd = self.repetition_detection
+        if isinstance(rd, Mapping):
+            unknown = set(rd) - {"min_pattern_size", "max_pattern_size", "min_count"}
+            if unknown:
+                raise ValueError(f"repetition_detection: unknown keys {sorted(unknown)}; "
+                                 f"expected min_pattern_size, max_pattern_size, min_count")
+            object.__setattr__(self, "repetition_detection", RepetitionDetection(**rd))
+        elif rd is not None and not isinstance(rd, RepetitionDetection):
+            raise ValueError(f"repetition_detection: must be a RepetitionDetection, a mapping "
+                             f"or None, got {type(rd).__name__}")
         # Accept any iterable / mapping from callers, store immutable (hashable) values.
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
                                                               self.stop_token_ids))

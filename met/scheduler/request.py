@@ -37,10 +37,13 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None  # stop token id, or "repetition"
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Per prompt token when params.prompt_logprobs is set: None for the first, then filled
+    # in as prefill chunks run (recomputed chunks after a preemption are not added twice).
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY sequence breakers as token ids
 
     def __post_init__(self) -> None:

@@ -78,6 +78,8 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys)
+            if req.params.prompt_logprobs is not None:
+                prefix = []  # every prompt position must run to give its logits (as vLLM)
             start = len(prefix) * self.kv.block_size
             n = self._chunk_len(req, start, budget)
             if n == 0 or not self.kv.allocate(req.request_id, start + n, prefix):

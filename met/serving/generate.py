@@ -56,6 +56,8 @@ class ChoiceState:
     last_token_at: float | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     num_logprobs_sent: int = 0  # how many of ``logprobs`` a delta has carried
+    # Per prompt token (None for the first) when prompt logprobs were asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -161,6 +163,8 @@ class Generation:
             c.num_cached_tokens = u.num_cached_tokens
         c.last_token_at = now
         c.num_tokens += len(u.new_token_ids)
+        if u.prompt_logprobs is not None:
+            c.prompt_logprobs = u.prompt_logprobs
         if u.new_logprobs:
             c.logprobs.extend(zip(u.new_token_ids, u.new_logprobs, strict=True))
         check = c.num_tokens >= self.options.min_tokens

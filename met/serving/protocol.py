@@ -30,6 +30,12 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
+class RepetitionDetectionField(_Body):
+    min_pattern_size: int = 1
+    max_pattern_size: int = 32
+    min_count: int = 4
+
+
 class SamplingFields(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -62,6 +68,7 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token id → bias
     bad_words: list[str | list[int]] | None = None  # strings (tokenized here) or token ids
     allowed_token_ids: list[int] | None = None
+    repetition_detection: RepetitionDetectionField | None = None
     user: str | None = None  # accepted, unused
 
     @property
@@ -83,6 +90,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class TokenizeRequest(_Body):
@@ -106,7 +114,7 @@ _PROMPT_FORMS = ("a string, a list of strings, a list of token ids, or a list of
 _FIELD_NAMES = frozenset(
     name
     for m in (StreamOptions, ContentPart, ChatMessage, ChatCompletionRequest, CompletionRequest,
-              TokenizeRequest, DetokenizeRequest)
+              TokenizeRequest, DetokenizeRequest, RepetitionDetectionField)
     for name in m.model_fields
 )
 

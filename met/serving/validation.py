@@ -10,6 +10,7 @@ from met.sampling.params import (
     DRY_DEFAULT_BREAKERS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    RepetitionDetection,
     SamplingParams,
 )
 from met.serving.errors import InvalidRequest, from_value_error
@@ -100,6 +101,19 @@ def check_ranges(req: SamplingFields, max_tokens: int | None,
             raise InvalidRequest("bad_words: entries must be non-empty strings or token-id "
                                  "lists", "bad_words")
     requested_logprobs(req)
+    requested_prompt_logprobs(req)
+    repetition_detection(req)
+
+
+def repetition_detection(req: SamplingFields) -> RepetitionDetection | None:
+    """``repetition_detection`` checked; the 400 names the sub-field, e.g.
+    ``repetition_detection.min_count``."""
+    if req.repetition_detection is None:
+        return None
+    try:
+        return RepetitionDetection(**req.repetition_detection.model_dump())
+    except ValueError as e:
+        raise from_value_error(e, "repetition_detection") from None
 
 
 def requested_logprobs(req: SamplingFields) -> int | None:
@@ -118,6 +132,23 @@ def requested_logprobs(req: SamplingFields) -> int | None:
         _in_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
         return req.logprobs
     return None
+
+
+def requested_prompt_logprobs(req: SamplingFields) -> int | None:
+    """How many top logprobs per prompt token (None: none). Completions only: the explicit
+    ``prompt_logprobs`` (vLLM's field), and ``echo`` with ``logprobs`` (the echoed prompt's
+    tokens carry logprobs too, as in vLLM; not when streaming)."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    if req.prompt_logprobs is not None:
+        _in_range("prompt_logprobs", req.prompt_logprobs, 0, MAX_LOGPROBS)
+        if req.stream:
+            raise InvalidRequest("prompt_logprobs: not supported with stream",
+                                 "prompt_logprobs")
+    wanted = [k for k in (req.prompt_logprobs,
+                          req.logprobs if req.echo and not req.stream else None)
+              if k is not None]
+    return max(wanted) if wanted else None
 
 
 def logit_bias(req: SamplingFields) -> dict[int, float] | None:
@@ -222,6 +253,8 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
             allowed_token_ids=(None if req.allowed_token_ids is None
                                else tuple(req.allowed_token_ids)),
             logprobs=requested_logprobs(req),
+            prompt_logprobs=requested_prompt_logprobs(req),
+            repetition_detection=repetition_detection(req),
         )
     except ValueError as e:
         raise from_value_error(e) from None

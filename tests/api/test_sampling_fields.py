@@ -150,7 +150,9 @@ def test_completions_logprobs_shape(client, offline):
         assert 1 <= len(top) <= 2 and tok in top
         assert all(value >= v - 1e-5 for v in top.values())  # greedy: the most likely
     echo = complete(client, max_tokens=3, temperature=0, logprobs=1, echo=True)
-    assert echo.logprobs.text_offset[0] == len(PROMPT)
+    # The echoed prompt's tokens come first (the first has no logprob), then the output's.
+    assert echo.logprobs.token_logprobs[0] is None and echo.logprobs.text_offset[0] == 0
+    assert echo.logprobs.text_offset[-3] == len(PROMPT)
     # Streamed: chunks' logprobs concatenate to the non-stream ones, offsets included.
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10,
                                             temperature=0, logprobs=2, stream=True))

@@ -58,6 +58,7 @@ async def chat_completions(request: Request) -> Response:
                 "message": {"role": "assistant", "content": texts[c.index], "refusal": None},
                 "logprobs": logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             } for c in gen.choices],
             "usage": usage(gen),
             "system_fingerprint": None,
@@ -79,7 +80,8 @@ def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: b
                entries: tuple = ()) -> dict:
         return {"index": index, "delta": delta,
                 "logprobs": logprobs(list(entries)) if entries else None,
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason,
+                "stop_reason": gen.choices[index].stop_reason if finish_reason else None}
 
     def head() -> list[dict]:
         return [chunk([choice(c.index, {"role": "assistant", "content": ""})])

@@ -9,9 +9,9 @@ from fastapi.responses import Response
 
 from met.api.context import read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
-from met.api.openai.logprobs import completion_logprobs
+from met.api.openai.logprobs import completion_logprobs, prompt_logprobs
 from met.api.sse import SSEResponse
-from met.serving.generate import ChoiceDelta, Generation
+from met.serving.generate import ChoiceDelta, ChoiceState, Generation
 from met.serving.prompts import completion_prompts
 from met.serving.protocol import CompletionRequest, parse_body
 from met.serving.validation import (
@@ -66,13 +66,29 @@ async def completions(request: Request) -> Response:
         return SSEResponse(_stream(gen, cid, created, name, prefixes, req.include_usage,
                                    logprobs))
 
+    def choice_logprobs(c: ChoiceState) -> dict | None:
+        out = logprobs(c.logprobs, len(prefixes[c.index]) if prefixes else 0)
+        if out is None or not req.echo or c.prompt_logprobs is None:
+            return out
+        # echo + logprobs: the echoed prompt's tokens come first (the first has none).
+        ids = prompts[c.prompt_index].token_ids
+        head = completion_logprobs(model.tokenizer, list(zip(ids, c.prompt_logprobs,
+                                                             strict=True)), top or 0)
+        return {key: head[key] + out[key] for key in out}
+
+    def choice(c: ChoiceState, text: str) -> dict:
+        out = {"text": text, "index": c.index, "logprobs": choice_logprobs(c),
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = None if c.prompt_logprobs is None else prompt_logprobs(
+                model.tokenizer, prompts[c.prompt_index].token_ids, c.prompt_logprobs,
+                req.prompt_logprobs)
+        return out
+
     def body(texts: list[str]) -> dict:
         return {
             "id": cid, "object": "text_completion", "created": created, "model": name,
-            "choices": [{"text": texts[c.index], "index": c.index,
-                         "logprobs": logprobs(c.logprobs,
-                                              len(prefixes[c.index]) if prefixes else 0),
-                         "finish_reason": c.finish_reason} for c in gen.choices],
+            "choices": [choice(c, texts[c.index]) for c in gen.choices],
             "usage": usage(gen),
             "system_fingerprint": None,
         }
@@ -97,7 +113,9 @@ def _stream(gen: Generation, cid: str, created: int, name: str, prefixes: list[s
         lp = logprobs(list(entries), offsets[index]) if entries else None
         if lp is not None:
             offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}
+        stop_reason = gen.choices[index].stop_reason if finish_reason is not None else None
+        return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def head() -> list[dict]:
         if not prefixes:

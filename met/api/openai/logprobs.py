@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-Entries = Sequence[tuple[int, dict[int, float]]]
+Entries = Sequence[tuple[int, dict[int, float] | None]]
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -44,10 +44,32 @@ def completion_logprobs(tokenizer: Any, entries: Entries, k: int, offset: int = 
         offsets.append(offset)
         tokens.append(token_text(tokenizer, t))
         offset += len(tokens[-1])
+    # An entry of None: the first echoed prompt token, which has no logprob.
     return {
         "tokens": tokens,
-        "token_logprobs": [entry[t] for t, entry in entries],
-        "top_logprobs": [{token_text(tokenizer, u): lp for u, lp in _top(entry, k)}
+        "token_logprobs": [None if entry is None else entry[t] for t, entry in entries],
+        "top_logprobs": [None if entry is None
+                         else {token_text(tokenizer, u): lp for u, lp in _top(entry, k)}
                          for _, entry in entries],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(tokenizer: Any, token_ids: Sequence[int],
+                    entries: Sequence[dict[int, float] | None], k: int) -> list[dict | None]:
+    """vLLM's ``choices[i].prompt_logprobs``: per prompt token None (the first) or
+    {token id: {logprob, rank, decoded_token}} for the token itself and the k most likely;
+    ``rank`` is 1 for the most likely token, None where unknown (a prompt token outside
+    the top k)."""
+    out: list[dict | None] = []
+    for t, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        top = _top(entry, k)
+        ranks = {u: i + 1 for i, (u, _) in enumerate(top)}
+        keep = dict(top) | {t: entry[t]}
+        out.append({str(u): {"logprob": lp, "rank": ranks.get(u),
+                             "decoded_token": token_text(tokenizer, u)}
+                    for u, lp in keep.items()})
+    return out
