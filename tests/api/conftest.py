@@ -25,6 +25,19 @@ def start_server():
 
 
 @pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    """The tiny Llama the API tests serve (a module may override it)."""
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def server(start_server, ckpt):
+    """A server on the tiny model for the module (a module may override it)."""
+    return start_server([ckpt, "--dtype", "float32", "--max-model-len", "256",
+                         "--served-model-name", "tiny"])
+
+
+@pytest.fixture(scope="module")
 def client(server):
     """The official OpenAI SDK pointed at the module's server."""
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)

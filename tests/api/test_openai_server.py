@@ -18,10 +18,6 @@ from met import LLM, SamplingParams
 MAX_MODEL_LEN = 256
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return str(tiny_checkpoint("llama"))
-
 
 @pytest.fixture(scope="module")
 def server(start_server, ckpt):

@@ -5,7 +5,6 @@ tests/sampling/test_prompt_logprobs.py)."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from met import LLM, SamplingParams
@@ -14,21 +13,7 @@ MAX_MODEL_LEN = 256
 PROMPT = "The keeper writes the weather in the book"
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return str(tiny_checkpoint("llama"))
 
-
-@pytest.fixture(scope="module")
-def server(start_server, ckpt):
-    return start_server([ckpt, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                         "--served-model-name", "tiny"])
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

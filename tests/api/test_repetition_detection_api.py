@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from met import LLM, SamplingParams
@@ -18,21 +17,7 @@ RD = {"min_pattern_size": 1, "max_pattern_size": 4, "min_count": 3}
 LOOP = {"allowed_token_ids": [40, 41], "temperature": 0, "ignore_eos": True, "max_tokens": 40}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return str(tiny_checkpoint("llama"))
 
-
-@pytest.fixture(scope="module")
-def server(start_server, ckpt):
-    return start_server([ckpt, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                         "--served-model-name", "tiny"])
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

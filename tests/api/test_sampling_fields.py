@@ -15,15 +15,6 @@ PROMPT = "The keeper"
 USER = [{"role": "user", "content": "Where does the keeper write the weather?"}]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return str(tiny_checkpoint("llama"))
-
-
-@pytest.fixture(scope="module")
-def server(start_server, ckpt):
-    return start_server([ckpt, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                         "--served-model-name", "tiny"])
 
 
 @pytest.fixture(scope="module")

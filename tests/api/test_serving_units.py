@@ -25,11 +25,6 @@ from met.serving.validation import ModelLimits, build_params, choice_params
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return str(tiny_checkpoint("llama"))
-
-
-@pytest.fixture(scope="module")
 def tokenizer(ckpt):
     return AutoTokenizer.from_pretrained(ckpt)
 
