@@ -1,0 +1,488 @@
+// Only the headers the kernel needs: <torch/extension.h> pulls in pybind11 and all of torch's
+// C++ API, which more than doubles the first-call compile time.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+#define MET_INLINE inline __attribute__((always_inline))
+
+// Runtime ISA dispatch without -march flags: the compiler emits one clone per target and the
+// dynamic loader picks the best one this CPU supports, so one binary runs on any x86-64. A
+// machine always runs the same clone, so its results are reproducible.
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define MET_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef MET_CLONES
+#define MET_CLONES
+#endif
+
+// Sixteen float lanes as a GCC/Clang vector type: element-wise arithmetic that each clone maps
+// onto its own registers (one zmm, two ymm or four xmm). Spelling the lanes out fixes every
+// summation order without -ffast-math, so results are bitwise-reproducible.
+constexpr int64_t kLanes = 16;
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define MET_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define MET_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vint{__VA_ARGS__})
+#endif
+
+// Broadcast of a scalar. x - 0 is exactly x for every x (even -0), so GCC folds this into one
+// vbroadcastss, but only when written at the use site: behind an inline function GCC 12 builds
+// the vector lane by lane with sixteen masked broadcasts (measured: the kernel ran ~1.5x
+// slower).
+#define MET_SPLAT(x) ((x) - vfloat{})
+
+MET_INLINE vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+MET_INLINE void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 32 bf16 values as two float32 vectors without a widening shuffle: read as sixteen 32-bit
+// words, the even elements are the low halves (shift them up) and the odd elements the high
+// halves (mask the low ones off). The values come out in "pair order": in each block of 32,
+// the 16 even positions, then the 16 odd ones. A dot product does not care about the order as
+// long as q uses the same one; the accumulator is put back in order when written out.
+// (GCC widens 16 x bf16 -> 16 x float with extract/insert shuffles instead; measured slower.)
+MET_INLINE void vload_bf16_pairs(const void* p, vfloat* even, vfloat* odd) {
+  vuint w;
+  std::memcpy(&w, p, sizeof(w));
+  const vuint lo = w << 16, hi = w & 0xFFFF0000u;
+  std::memcpy(even, &lo, sizeof(*even));
+  std::memcpy(odd, &hi, sizeof(*odd));
+}
+
+// float32 -> bf16 bits (in the low half of each word), rounding to nearest even with NaN
+// mapped to 0x7FC0: bit for bit what c10::BFloat16(float) does.
+MET_INLINE vuint bf16_bits(vfloat f) {
+  vuint u;
+  std::memcpy(&u, &f, sizeof(u));
+  const vuint rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? vuint{} + 0x7FC0u : rounded;
+}
+
+// Position of element d of a row in pair order.
+MET_INLINE int64_t pair_pos(int64_t d) {
+  return (d & ~int64_t{31}) + (d & 1) * kLanes + ((d & 31) >> 1);
+}
+
+// Lane j of the result is the sum of the lanes of a[j]: sixteen horizontal sums for fifteen
+// two-register shuffle steps, always in the same tree order.
+MET_INLINE vfloat hsum16(const vfloat* a) {
+  vfloat r1[8], r2[4], r3[2];
+  for (int m = 0; m < 8; ++m) {
+    const vfloat x = a[2 * m], y = a[2 * m + 1];
+    r1[m] = MET_SHUFFLE(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            MET_SHUFFLE(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const vfloat x = r1[2 * m], y = r1[2 * m + 1];
+    r2[m] = MET_SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            MET_SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 2; ++m) {
+    const vfloat x = r2[2 * m], y = r2[2 * m + 1];
+    r3[m] = MET_SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            MET_SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return MET_SHUFFLE(r3[0], r3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         MET_SHUFFLE(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Fixed-order sum of the sixteen lanes.
+MET_INLINE float hsum(vfloat v) {
+  float t[kLanes];
+  vstore(t, v);
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  }
+  return t[0];
+}
+
+// exp(x) for x <= 0 (softmax after max-subtraction), sixteen at a time: Cephes' expf
+// polynomial (about 1 ulp). Unlike libm's scalar expf it vectorizes, and it gives the same
+// bits on every clone. Inputs below -87 are clamped so that 2^n stays a normal float
+// (exp(-87) ~ 2e-38 is negligible next to the max term's 1).
+MET_INLINE vfloat vexp_nonpositive(vfloat x) {
+  const vfloat lo = MET_SPLAT(-87.0f);
+  x = x < lo ? lo : x;
+  // n = round(x / ln2): x <= 0, so truncating (y - 0.5) towards zero rounds to nearest.
+  const vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);
+  const vfloat fn = __builtin_convertvector(n, vfloat);
+  vfloat r = x - fn * 0.693359375f;  // ln2 split in two so that the first product is exact
+  r = r - fn * -2.12194440e-4f;
+  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint bits = (n + 127) << 23;
+  vfloat two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+template <typename T>
+MET_INLINE float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+struct Problem {
+  const void* q;
+  int64_t q_s0, q_s1, q_s2;
+  const void* k;
+  int64_t k_s0, k_s1, k_s2;
+  const void* v;
+  int64_t v_s0, v_s1, v_s2;
+  void* out;  // contiguous [N, H, D]
+  const int64_t* slots;
+  const int64_t* offsets;
+  int64_t H, Hkv, D;
+  float scale;
+  bool pairs;  // bf16 rows read 32 at a time in pair order (see vload_bf16_pairs)
+};
+
+// Head dim rounded up to whole vectors; rows are zero-padded to it.
+MET_INLINE int64_t padded_dim(int64_t D) { return (D + kLanes - 1) / kLanes * kLanes; }
+
+// Per-thread scratch, in floats.
+MET_INLINE size_t workspace_floats(int64_t G, int64_t Dp, int64_t max_len) {
+  const int64_t Lp = (max_len + kLanes - 1) / kLanes * kLanes;
+  return static_cast<size_t>(2 * G * Dp + kLanes * Dp + G * Lp);
+}
+
+// Converts n <= 16 cache rows into a float32 tile laid out chunk-major: element d of row j
+// sits at tile[(d / 16) * 256 + j * 16 + d % 16] (d in pair order when kPairs); rows n..15
+// are zero. The sixteen rows of a chunk are then at fixed offsets from one pointer, which the
+// loops below use as memory operands, and a partial last tile needs no special case.
+template <typename T, bool kPairs>
+MET_INLINE void load_tile(const T* base, int64_t s1, int64_t s2, const int64_t* slots,
+                          int64_t n, int64_t D, int64_t Dp, float* tile) {
+  constexpr int64_t kChunk = kLanes * kLanes;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    float* dst = tile + j * kLanes;
+    if (j >= n) {
+      for (int64_t d = 0; d < Dp; d += kLanes) vstore(dst + d * kLanes, vfloat{});
+      continue;
+    }
+    const T* src = base + slots[j] * s1;
+    if constexpr (kPairs) {
+      for (int64_t d = 0; d < Dp; d += 2 * kLanes) {
+        vfloat even, odd;
+        vload_bf16_pairs(src + d, &even, &odd);
+        vstore(dst + d * kLanes, even);
+        vstore(dst + d * kLanes + kChunk, odd);
+      }
+      continue;
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (s2 == 1 && D == Dp) {
+        for (int64_t d = 0; d < Dp; d += kLanes) vstore(dst + d * kLanes, vload(src + d));
+        continue;
+      }
+    }
+    for (int64_t d = 0; d < Dp; ++d) {
+      dst[(d / kLanes) * kChunk + d % kLanes] = d < D ? to_float(src[d * s2]) : 0.f;
+    }
+  }
+}
+
+// Requests the cache lines of the next tile's rows while this tile is computed: the rows sit
+// wherever their slots put them, which the hardware prefetchers cannot guess. (Prefetching
+// further ahead, or to L2 for the second pass, measured slower: the line fill buffers are
+// the limit.)
+template <typename T>
+MET_INLINE void prefetch_rows(const T* base, int64_t s1, int64_t s2, const int64_t* slots,
+                              int64_t n, int64_t D) {
+  if (s2 != 1) return;  // strided rows: rare, and not worth guessing lines for
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(base + slots[j] * s1);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
+// Attention of the G = H / Hkv query heads of request i that share kv head g. Everything is a
+// function of this request's own inputs, computed in one fixed order. next_task only steers
+// a prefetch.
+template <typename T, bool kPairs>
+MET_INLINE void attend_one(const Problem& p, int64_t i, int64_t g, int64_t next_task,
+                           float* ws) {
+  const int64_t D = p.D, Dp = padded_dim(D), G = p.H / p.Hkv;
+  const int64_t begin = p.offsets[i];
+  const int64_t L = p.offsets[i + 1] - begin;
+  const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;
+  const int64_t* slots = p.slots + begin;
+  const T* kg = static_cast<const T*>(p.k) + g * p.k_s0;
+  const T* vg = static_cast<const T*>(p.v) + g * p.v_s0;
+
+  float* qf = ws;                 // [G, Dp]
+  float* acc = qf + G * Dp;       // [G, Dp]
+  float* tile = acc + G * Dp;     // [Dp / 16, 16, 16], see load_tile
+  float* s = tile + kLanes * Dp;  // [G, Lp]: scores, then probabilities
+  std::fill(acc, acc + G * Dp, 0.f);
+
+  const T* q = static_cast<const T*>(p.q);
+  for (int64_t h = 0; h < G; ++h) {
+    const T* qh = q + i * p.q_s0 + (g * G + h) * p.q_s1;
+    float* qfh = qf + h * Dp;
+    if constexpr (kPairs) {
+      if (p.q_s2 == 1) {
+        for (int64_t d = 0; d < Dp; d += 2 * kLanes) {
+          vfloat even, odd;
+          vload_bf16_pairs(qh + d, &even, &odd);
+          vstore(qfh + d, even);
+          vstore(qfh + d + kLanes, odd);
+        }
+        continue;
+      }
+    }
+    for (int64_t d = D; d < Dp; ++d) qfh[d] = 0.f;
+    for (int64_t d = 0; d < D; ++d) qfh[kPairs ? pair_pos(d) : d] = to_float(qh[d * p.q_s2]);
+  }
+
+  // Scores, sixteen keys at a time; a key row is converted once for all G heads of its group.
+  // Each key's dot product is kept as sixteen partial sums (dots[j], in registers) that
+  // hsum16 then adds up for all sixteen keys at once.
+  for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
+    const int64_t n = std::min(kLanes, L - t0);
+    if (t0 + kLanes < L) {
+      prefetch_rows(kg, p.k_s1, p.k_s2, slots + t0 + kLanes, std::min(kLanes, L - t0 - kLanes),
+                    D);
+    } else {
+      prefetch_rows(vg, p.v_s1, p.v_s2, slots, std::min(kLanes, L), D);  // first value tile
+    }
+    load_tile<T, kPairs>(kg, p.k_s1, p.k_s2, slots + t0, n, D, Dp, tile);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qf + h * Dp;
+      vfloat dots[kLanes] = {};
+      for (int64_t d = 0; d < Dp; d += kLanes) {
+        const vfloat qv = vload(qh + d);
+        const float* chunk = tile + d * kLanes;
+        for (int64_t j = 0; j < kLanes; ++j) dots[j] += qv * vload(chunk + j * kLanes);
+      }
+      vstore(s + h * Lp + t0, hsum16(dots) * p.scale);
+    }
+  }
+
+  // Numerically stable softmax. The padding past L gets a score far below any real one, so it
+  // never wins the max, and is zeroed after exp, so it adds nothing to the sum.
+  float inv_sum[64];  // G <= 64 is checked by the caller
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh = s + h * Lp;
+    for (int64_t t = L; t < Lp; ++t) sh[t] = -3.0e38f;
+    vfloat vmax = vload(sh);
+    for (int64_t t = kLanes; t < Lp; t += kLanes) {
+      const vfloat x = vload(sh + t);
+      vmax = x > vmax ? x : vmax;
+    }
+    float m = vmax[0];
+    for (int l = 1; l < kLanes; ++l) m = std::max(m, vmax[l]);
+    vfloat total = {};
+    for (int64_t t = 0; t < Lp; t += kLanes) {
+      vfloat e = vexp_nonpositive(vload(sh + t) - m);
+      vstore(sh + t, e);
+      if (t + kLanes > L) {
+        for (int64_t u = L; u < t + kLanes; ++u) sh[u] = 0.f;
+        e = vload(sh + t);
+      }
+      total += e;
+    }
+    inv_sum[h] = 1.f / hsum(total);
+  }
+
+  // Probability-weighted sum of the value rows. Even and odd positions of a tile go to
+  // separate accumulators (added at the end of the tile): with four vectors of the output row
+  // per block that keeps eight independent FMA chains in flight instead of four, and the
+  // order of the additions is still fixed.
+  for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
+    const int64_t n = std::min(kLanes, L - t0);
+    if (t0 + kLanes < L) {
+      prefetch_rows(vg, p.v_s1, p.v_s2, slots + t0 + kLanes, std::min(kLanes, L - t0 - kLanes),
+                    D);
+    } else if (next_task >= 0) {  // the first key tile of the task this thread runs next
+      const int64_t ni = next_task / p.Hkv, nb = p.offsets[ni];
+      const T* nk = static_cast<const T*>(p.k) + (next_task % p.Hkv) * p.k_s0;
+      prefetch_rows(nk, p.k_s1, p.k_s2, p.slots + nb, std::min(kLanes, p.offsets[ni + 1] - nb),
+                    D);
+    }
+    load_tile<T, kPairs>(vg, p.v_s1, p.v_s2, slots + t0, n, D, Dp, tile);
+    for (int64_t h = 0; h < G; ++h) {
+      // Weights past n are zero and so are their rows, so the full tile is exact.
+      const float* w = s + h * Lp + t0;
+      float* ah = acc + h * Dp;
+      int64_t d = 0;
+      for (; d + 4 * kLanes <= Dp; d += 4 * kLanes) {
+        const float* c0 = tile + d * kLanes;  // four chunks, 256 floats apart
+        vfloat e0 = {}, e1 = {}, e2 = {}, e3 = {}, o0 = {}, o1 = {}, o2 = {}, o3 = {};
+        for (int64_t j = 0; j < kLanes; j += 2) {
+          const vfloat we = MET_SPLAT(w[j]), wo = MET_SPLAT(w[j + 1]);
+          const float* re = c0 + j * kLanes;
+          const float* ro = re + kLanes;
+          e0 += we * vload(re);
+          e1 += we * vload(re + 256);
+          e2 += we * vload(re + 512);
+          e3 += we * vload(re + 768);
+          o0 += wo * vload(ro);
+          o1 += wo * vload(ro + 256);
+          o2 += wo * vload(ro + 512);
+          o3 += wo * vload(ro + 768);
+        }
+        vstore(ah + d, vload(ah + d) + (e0 + o0));
+        vstore(ah + d + 16, vload(ah + d + 16) + (e1 + o1));
+        vstore(ah + d + 32, vload(ah + d + 32) + (e2 + o2));
+        vstore(ah + d + 48, vload(ah + d + 48) + (e3 + o3));
+      }
+      for (; d < Dp; d += kLanes) {
+        const float* c = tile + d * kLanes;
+        vfloat e = {}, o = {};
+        for (int64_t j = 0; j < kLanes; j += 2) {
+          e += MET_SPLAT(w[j]) * vload(c + j * kLanes);
+          o += MET_SPLAT(w[j + 1]) * vload(c + (j + 1) * kLanes);
+        }
+        vstore(ah + d, vload(ah + d) + (e + o));
+      }
+    }
+  }
+
+  T* out = static_cast<T*>(p.out) + (i * p.H + g * G) * D;
+  for (int64_t h = 0; h < G; ++h) {
+    const float* ah = acc + h * Dp;
+    T* oh = out + h * D;
+    const float inv = inv_sum[h];
+    if constexpr (kPairs) {
+      // Back from pair order: even elements in the low halves of the words, odd in the high.
+      for (int64_t d = 0; d < D; d += 2 * kLanes) {
+        const vuint even = bf16_bits(vload(ah + d) * inv);
+        const vuint odd = bf16_bits(vload(ah + d + kLanes) * inv);
+        const vuint words = even | (odd << 16);
+        std::memcpy(oh + d, &words, sizeof(words));
+      }
+      continue;
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (D == Dp) {
+        for (int64_t d = 0; d < D; d += kLanes) vstore(oh + d, vload(ah + d) * inv);
+        continue;
+      }
+    }
+    // float -> bf16 rounds to nearest even, as Tensor.to() does.
+    for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(ah[d] * inv);
+  }
+}
+
+MET_CLONES void attend_range_f32(const Problem& p, int64_t begin, int64_t end, float* ws) {
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t next = task + 1 < end ? task + 1 : -1;
+    attend_one<float, false>(p, task / p.Hkv, task % p.Hkv, next, ws);
+  }
+}
+
+MET_CLONES void attend_range_bf16(const Problem& p, int64_t begin, int64_t end, float* ws) {
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t next = task + 1 < end ? task + 1 : -1;
+    if (p.pairs) {
+      attend_one<c10::BFloat16, true>(p, task / p.Hkv, task % p.Hkv, next, ws);
+    } else {
+      attend_one<c10::BFloat16, false>(p, task / p.Hkv, task % p.Hkv, next, ws);
+    }
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots_in,
+                            const at::Tensor& offsets_in, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "decode_attention: q must be [N, H, D] and the caches [Hkv, S, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  slots_in.device().is_cpu() && offsets_in.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(
+      q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+      "decode_attention: q, k_cache and v_cache must share one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(),
+              "decode_attention: k_cache and v_cache differ in shape");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(0), S = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && D > 0, "decode_attention: head_dim of q and cache differ");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= 64,
+              "decode_attention: H must be a multiple of Hkv, at most 64 times Hkv");
+  TORCH_CHECK(slots_in.scalar_type() == at::kLong && offsets_in.scalar_type() == at::kLong,
+              "decode_attention: slots and offsets must be int64");
+  TORCH_CHECK(slots_in.dim() == 1 && offsets_in.dim() == 1 && offsets_in.numel() == N + 1,
+              "decode_attention: slots must be 1-D and offsets [N + 1]");
+  const at::Tensor slots = slots_in.contiguous();
+  const at::Tensor offsets = offsets_in.contiguous();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(off[i] >= 0 && off[i] < off[i + 1] && off[i + 1] <= slots.numel(),
+                "decode_attention: request ", i, " has an empty or out-of-range span of slots");
+    max_len = std::max(max_len, off[i + 1] - off[i]);
+  }
+  // A bad slot would read outside the cache: check them all before any task runs.
+  for (int64_t i = 0; i < N; ++i) {
+    for (int64_t j = off[i]; j < off[i + 1]; ++j) {
+      TORCH_CHECK(sl[j] >= 0 && sl[j] < S, "decode_attention: slot ", sl[j],
+                  " is outside the cache of ", S, " slots");
+    }
+  }
+
+  at::Tensor out = at::empty({N, H, D}, q.options());
+  if (N == 0 || H == 0) return out;
+  const bool pairs = q.scalar_type() == at::kBFloat16 && D % 32 == 0 &&
+                     k_cache.stride(2) == 1 && v_cache.stride(2) == 1;
+  const Problem p{q.data_ptr(),       q.stride(0),       q.stride(1),       q.stride(2),
+                  k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                  out.data_ptr(),     sl,                off,               H,
+                  Hkv,                D,                 static_cast<float>(scale), pairs};
+  const size_t ws_size = workspace_floats(H / Hkv, padded_dim(D), max_len);
+  const bool is_f32 = q.scalar_type() == at::kFloat;
+
+  // One task per (request, kv head). Tasks never share outputs, and a task's arithmetic does
+  // not depend on which thread runs it, so the split over threads cannot change any result.
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
+    // Cache-line aligned scratch: a 64-byte vector store that straddles two lines costs about
+    // twice as much, and every tile element is stored once per key.
+    std::vector<float> buf(ws_size + kLanes);
+    const uintptr_t misalign = reinterpret_cast<uintptr_t>(buf.data()) % 64;
+    float* ws = buf.data() + (misalign ? (64 - misalign) / sizeof(float) : 0);
+    if (is_f32) {
+      attend_range_f32(p, begin, end, ws);
+    } else {
+      attend_range_bf16(p, begin, end, ws);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
+      "Tensor offsets, float scale) -> Tensor",
+      &decode_attention);
+}
