@@ -2,7 +2,8 @@
 
 from met.engine.llm import LLM
 from met.outputs import CompletionOutput, RequestOutput
-from met.sampling.params import SamplingParams
+from met.sampling.params import SamplingParams, StructuredOutputs
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs",
+           "__version__"]

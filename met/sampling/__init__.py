@@ -1,5 +1,5 @@
 """Sampling parameters and the batched sampler."""
 
-from met.sampling.params import RepetitionDetection, SamplingParams
+from met.sampling.params import RepetitionDetection, SamplingParams, StructuredOutputs
 
-__all__ = ["RepetitionDetection", "SamplingParams"]
+__all__ = ["RepetitionDetection", "SamplingParams", "StructuredOutputs"]

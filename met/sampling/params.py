@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -46,6 +48,61 @@ class RepetitionDetection:
             if all(tokens[i] == tokens[i + size] for i in range(n - span, n - size)):
                 return True
         return False
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output to a grammar: set exactly one field.
+
+    - json: a JSON schema (a mapping or its JSON text); json_object: any JSON object;
+    - regex: a regular expression the whole output matches;
+    - choice: the output is exactly one of these strings;
+    - grammar: an EBNF grammar (GBNF style, with a ``root`` rule);
+    - structural_tag: xgrammar's structural-tag spec (a mapping or its JSON text): free text
+      until a trigger string, then the tagged part held to its schema (tool calls).
+    Mappings are stored as canonical JSON text, so equal specs compare and hash equal (the
+    compiled-grammar cache key is ``(kind, spec)``).
+    """
+
+    json: str | Mapping[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                object.__setattr__(self, name, json.dumps(value, sort_keys=True))
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) for c in choice):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+            object.__setattr__(self, "choice", choice)
+        set_fields = [n for n in ("json", "regex", "choice", "grammar", "structural_tag")
+                      if getattr(self, n) is not None] + (["json_object"] if self.json_object
+                                                          else [])
+        if len(set_fields) != 1:
+            raise ValueError("structured_outputs: set exactly one of json, json_object, regex, "
+                             f"choice, grammar, structural_tag (got {set_fields or 'none'})")
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar", "structural_tag")
+                    if getattr(self, n) is not None)
+
+    @property
+    def spec(self) -> str:
+        """The spec as text (choices joined as a JSON list)."""
+        if self.json_object:
+            return ""
+        if self.choice is not None:
+            return json.dumps(list(self.choice))
+        return getattr(self, self.kind)
 
 
 @dataclass(frozen=True)
@@ -113,6 +170,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     repetition_detection: RepetitionDetection | Mapping[str, int] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
