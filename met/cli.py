@@ -135,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from met.api.server import serve
     from met.loader.resolve import resolve_model
     from met.serving.prompts import load_chat_template
+    from met.serving.validation import RequestLimits
 
     engine_config = _engine_config(args)
     source = resolve_model(engine_config.model, engine_config.cache_dir)  # fail fast, not later
@@ -148,6 +149,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout, max_queued_requests=args.max_queued_requests,
         log_requests=args.log_requests, max_body_bytes=args.max_request_body,
         chat_template=load_chat_template(args.chat_template),
+        request_limits=RequestLimits(
+            max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n,
+            max_tokens=args.max_tokens_limit, max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_length, max_tools=args.max_tools,
+            max_tool_schema_bytes=args.max_tool_schema_bytes,
+            max_logit_bias=args.max_logit_bias),
+        rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return serve(engine_config, config)
 
@@ -170,7 +179,28 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body", type=_parse_bytes, default=32 << 20,
                    help="largest request body (413 above it), e.g. 32MiB")
     p.add_argument("--log-requests", action="store_true",
-                   help="log every request (parameters, token counts, latency)")
+                   help="log every request (prompt, parameters, token counts, latency); "
+                        "without it no prompt or output is ever logged")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
+                        "they end with an error")
+    p.add_argument("--rate-limit-rpm", type=int, default=None,
+                   help="requests per minute per API key (per client address without keys); "
+                        "over it: 429 + Retry-After")
+    p.add_argument("--rate-limit-tpm", type=int, default=None,
+                   help="tokens (prompt + max_tokens) per minute per API key or address")
+    lim = p.add_argument_group("request limits (a request over one gets a 400 naming the field)")
+    lim.add_argument("--max-prompt-tokens", type=int, default=None,
+                     help="longest prompt in tokens (default: what the context holds)")
+    lim.add_argument("--max-n", type=int, default=64, help="largest n (choices per prompt)")
+    lim.add_argument("--max-tokens-limit", type=int, default=None,
+                     help="largest max_tokens; also caps an unspecified max_tokens")
+    lim.add_argument("--max-stop-strings", type=int, default=16)
+    lim.add_argument("--max-stop-string-length", type=int, default=256, help="characters")
+    lim.add_argument("--max-tools", type=int, default=128)
+    lim.add_argument("--max-tool-schema-bytes", type=_parse_bytes, default=64 << 10,
+                     help="largest tool definition, as JSON (e.g. 64KiB)")
+    lim.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
+
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
 from met.api.errors import ApiError
 from met.api.metrics import ServerMetrics
+from met.api.ratelimit import RateLimiter
 from met.engine.async_engine import AsyncEngine, EngineState
 from met.sampling.params import SamplingParams
 from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceState, Generation
 from met.serving.prompts import Prompt
-from met.serving.validation import ModelLimits, OutputOptions
+from met.serving.validation import ModelLimits, OutputOptions, RequestLimits
 
 log = logging.getLogger("met.api")
 
@@ -38,6 +41,10 @@ class ServerConfig:
     log_requests: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None  # overrides the model's template (the text, not a path)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    rate_limit_rpm: int | None = None  # requests per minute per key
+    rate_limit_tpm: int | None = None  # prompt + max_tokens per minute per key
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -53,6 +60,13 @@ class ServerConfig:
             raise ValueError(f"--max-request-body: must be >= 1KiB, got {self.max_body_bytes}")
         if any(not k for k in self.api_keys):
             raise ValueError("--api-key: keys must be non-empty")
+        for flag, value in (("--rate-limit-rpm", self.rate_limit_rpm),
+                            ("--rate-limit-tpm", self.rate_limit_tpm)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag}: must be >= 1, got {value}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout: must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout}")
 
     @property
     def model_name(self) -> str:
@@ -79,6 +93,11 @@ class ServerContext:
         self.metrics = ServerMetrics(config.model_name)
         self.model: ModelInfo | None = None
         self.created = int(time.time())
+        self.rate_limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+        # Generations admitted but not yet added to the engine (a route awaits between the
+        # two): counted by check_queue so a burst cannot all slip past a full queue.
+        self._admitted: weakref.WeakValueDictionary[int, Generation] = \
+            weakref.WeakValueDictionary()
 
     def on_engine_ready(self) -> None:
         core = self.engine.core
@@ -88,7 +107,8 @@ class ServerContext:
             tokenizer=loaded.tokenizer,
             chat_template=self.config.chat_template or loaded.chat_template,
             limits=ModelLimits(core.max_model_len, int(loaded.hf_config.vocab_size),
-                               core.config.block_size, core.kv.pool.num_blocks),
+                               core.config.block_size, core.kv.pool.num_blocks,
+                               self.config.request_limits),
             root=str(loaded.source.path),
             dtype=str(core.config.torch_dtype).removeprefix("torch."),
         )
@@ -117,7 +137,8 @@ class ServerContext:
             return
         # Counted on the loop (exact, no lag behind aborts): in-flight choices beyond
         # --max-num-seqs are waiting for a seat.
-        seats, in_flight = core.config.max_num_seqs, self.engine.num_in_flight
+        seats = core.config.max_num_seqs
+        in_flight = self.engine.num_in_flight + self._num_admitted_not_started()
         if in_flight < seats:
             return  # a seat is free: this request starts at once
         waiting = in_flight - seats
@@ -126,26 +147,57 @@ class ServerContext:
                            f"(--max-queued-requests {limit}); retry later", None, "queue_full",
                            {"Retry-After": "1"})
 
+    def _num_admitted_not_started(self) -> int:
+        engine = self.engine
+        return sum(len(g.choices) for g in list(self._admitted.values())
+                   if not any(c.finished or engine.has_request(c.request_id)
+                              for c in g.choices))
+
     def new_generation(self, request: Request, kind: str, prompts: list[Prompt],
                        params: list[SamplingParams], n: int,
                        options: OutputOptions) -> Generation:
+        """Admit a validated request (charging its rate limits): its Generation."""
         model = self.require_model()
+        if self.rate_limiter.enabled:
+            tokens = n * sum(len(p.token_ids) + sp.max_tokens
+                             for p, sp in zip(prompts, params, strict=True))
+            self.rate_limiter.admit(rate_limit_key(request, self.config), tokens)
         gen = Generation(self.engine, model.tokenizer, prompts, params, n, options,
                          self.config.request_timeout, self._on_choice_done,
                          request_id=request_id(request))
+        self._admitted[id(gen)] = gen
         if self.config.log_requests:
-            log.info("request %s: %s, %d prompt(s) of %s tokens, n=%d, params=%s, stop=%s",
-                     gen.request_id, kind, len(prompts),
-                     [len(p.token_ids) for p in prompts], n, params[0], options.stop)
+            # Prompts are user data: only ever logged when the operator asked for it.
+            log.info("request %s: %s, %d prompt(s) of %s tokens, n=%d, params=%s, stop=%s, "
+                     "prompt=%s", gen.request_id, kind, len(prompts),
+                     [len(p.token_ids) for p in prompts], n, params[0], options.stop,
+                     [_clip(p.text) if p.text is not None else p.token_ids[:64]
+                      for p in prompts])
         return gen
 
     def _on_choice_done(self, gen: Generation, c: ChoiceState) -> None:
+        if all(ch.finished for ch in gen.choices):
+            self._admitted.pop(id(gen), None)
         self.metrics.on_choice_done(gen, c)
         if self.config.log_requests and all(ch.finished for ch in gen.choices):
             log.info("request %s done in %.3fs: prompt_tokens=%d completion_tokens=%d "
                      "cached_tokens=%d finish_reasons=%s", gen.request_id,
                      time.monotonic() - gen.arrival, gen.prompt_tokens, gen.completion_tokens,
                      gen.cached_tokens, [ch.finish_reason for ch in gen.choices])
+
+
+def _clip(text: str, limit: int = 2000) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + f"… [{len(text)} chars]")
+
+
+def rate_limit_key(request: Request, config: ServerConfig) -> str:
+    """Whom a rate limit counts against: the API key when the server has keys (hashed, so
+    the table never holds the keys themselves), else the client's address."""
+    if config.api_keys:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:24]
+    return "addr:" + (request.client.host if request.client else "unknown")
 
 
 def server_context(request: Request) -> ServerContext:

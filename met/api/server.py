@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -20,10 +23,36 @@ from met.engine.core import EngineCore
 log = logging.getLogger("met.api")
 
 
+# After the drain deadline has failed the requests left, how long their responses get to
+# send the error and close before uvicorn cancels what remains.
+_CLOSE_GRACE_S = 5.0
+
+
 class _DrainingServer(uvicorn.Server):
     """The first SIGINT/SIGTERM stops accepting connections and lets in-flight requests
-    finish (uvicorn's graceful shutdown); a second SIGINT forces the exit. Unlike plain
-    uvicorn it does not re-raise the signal afterwards, so a drained exit is status 0."""
+    finish for up to ``drain_timeout`` seconds; then every request still running is ended
+    with an error (an error event on a stream, a 500 otherwise) so no client hangs. A second
+    SIGINT forces the exit. Unlike plain uvicorn it does not re-raise the signal afterwards,
+    so a drained exit is status 0."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.create_task(self._fail_after_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    async def _fail_after_deadline(self) -> None:
+        await asyncio.sleep(self.drain_timeout)
+        n = self.engine.fail_all(f"the server is shutting down (--shutdown-timeout "
+                                 f"{self.drain_timeout:g} s passed)")
+        if n:
+            log.warning("met: shutdown timeout: ended %d in-flight request(s) with an error", n)
 
     @contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -45,6 +74,16 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def binds_all_interfaces(host: str) -> bool:
+    """Whether ``host`` is a wildcard address (0.0.0.0, ::, or an empty host)."""
+    if host in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a host name: whatever it resolves to, not every interface
+
+
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Run the server until a signal drains it; 1 if the model failed to load."""
     engine = AsyncEngine(lambda: EngineCore(engine_config))
@@ -59,8 +98,13 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     app = build_app(config, engine, on_fatal)
     server = _DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_config=None,
-        access_log=config.log_requests, lifespan="on", timeout_graceful_shutdown=None,
-    ))
+        access_log=config.log_requests, lifespan="on",
+        timeout_graceful_shutdown=config.shutdown_timeout + _CLOSE_GRACE_S,
+    ), engine, config.shutdown_timeout)
+    if binds_all_interfaces(config.host):
+        log.warning("met: binding %s exposes the server on every network interface%s; use "
+                    "--host 127.0.0.1 to serve this machine only", config.host,
+                    "" if config.api_keys else " WITHOUT an API key (--api-key)")
     port = str(config.port) if config.port else "<a free port>"
     log.info("met: serving %r on http://%s:%s — loading %s (dtype %s) in the background; "
              "/health answers 503 until it is ready", config.model_name, config.host, port,

@@ -5,6 +5,10 @@ it posts typed messages (``_Add``, ``_Abort``, ``_Shutdown``) into a thread-safe
 reads each request's output from an ``OutputStream`` that the engine thread feeds through
 ``loop.call_soon_threadsafe``. Between two steps the thread drains the whole inbox, so an
 abort (a client that went away) takes effect before the next step and frees its KV blocks.
+
+Faults: a request that fails to be added fails alone. A step that raises faults the engine
+(``state`` faulted, ``fault_reason`` set): every stream gets a ``RequestFailed`` and new
+requests are refused, since a half-applied step leaves the core in no state to go on.
 """
 
 from __future__ import annotations
@@ -140,6 +144,19 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self._inbox.put(_Abort(request_id))
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` was added and has not yet finished, failed or been aborted."""
+        return request_id in self._streams
+
+    def fail_all(self, message: str) -> int:
+        """End every in-flight request with ``message`` (its client gets an error) and abort
+        it in the engine; returns how many there were. Used when a drain runs out of time."""
+        rids = list(self._streams)
+        self._deliver([RequestFailed(rid, message, False) for rid in rids])
+        for rid in rids:
+            self._inbox.put(_Abort(rid))
+        return len(rids)
+
     @property
     def num_in_flight(self) -> int:
         """Requests (choices) added and not yet finished or aborted, as the loop sees them."""
@@ -219,10 +236,9 @@ class AsyncEngine:
                     self._publish(core)
                     return
                 if isinstance(msg, _Add):
-                    try:
-                        core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
-                    except ValueError as e:
-                        failed.append(RequestFailed(msg.request_id, str(e), True))
+                    failure = self._add(core, msg)
+                    if failure is not None:
+                        failed.append(failure)
                 else:
                     core.abort_request(msg.request_id)
             # Publish before posting, so a client that sees its response sees fresh stats.
@@ -230,21 +246,43 @@ class AsyncEngine:
             self._post(failed)
             if not core.has_unfinished():
                 continue
-            try:
-                updates: list[StreamItem] = list(core.step())
-            except Exception as e:  # fail the batch, keep serving the rest
-                log.exception("engine step failed")
-                updates = self._fail_running(core, f"engine step failed: {e}")
+            # A request that fails on its own (its grammar hit a dead end) comes back as an
+            # update with ``error``. A step that raises instead leaves the core half-updated
+            # (tokens counted as computed but not sampled, KV written for blocks the prefix
+            # cache already published), so it cannot be trusted with another step: the
+            # exception reaches _run, which marks the engine faulted and fails every stream.
+            updates: list[StreamItem] = list(core.step())
             self._publish(core)
             self._post(updates)
             stalled = not updates
 
-    def _fail_running(self, core: EngineCore, message: str) -> list[StreamItem]:
-        # The step's batch came from the running list; waiting requests were not touched.
-        victims = [r.request_id for r in list(core.scheduler.running)]
-        for rid in victims:
-            core.abort_request(rid)
-        return [RequestFailed(rid, message, False) for rid in victims]
+    @staticmethod
+    def _add(core: EngineCore, msg: _Add) -> RequestFailed | None:
+        """Add one request; a failure (bad input found late, a grammar that does not compile)
+        fails that request alone and leaves nothing of it in the core."""
+        if msg.request_id in core.requests:  # never touch the request that holds the id
+            return RequestFailed(msg.request_id, f"request_id: {msg.request_id!r} is already "
+                                 "in use", True)
+        try:
+            core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            return None
+        except ValueError as e:
+            AsyncEngine._discard(core, msg.request_id)
+            return RequestFailed(msg.request_id, str(e), True)
+        except Exception as e:
+            log.exception("request %s could not be added", msg.request_id)
+            AsyncEngine._discard(core, msg.request_id)
+            return RequestFailed(msg.request_id, f"the request could not be started: {e}",
+                                 False)
+
+    @staticmethod
+    def _discard(core: EngineCore, request_id: str) -> None:
+        """Drop what a failed add left behind (it may have failed half-way)."""
+        try:
+            core.abort_request(request_id)
+        except Exception:
+            log.exception("request %s: cleanup after a failed add failed", request_id)
+            core.requests.pop(request_id, None)
 
     def _drain(self, wait: float | None) -> list:
         """Every message in the inbox; first wait up to ``wait`` s (None: forever) for one."""

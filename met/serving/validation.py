@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from met.sampling.params import (
@@ -22,13 +23,45 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What the operator allows one request to ask for (``met serve`` flags); None = no limit
+    beyond what the model can hold. Each breach is a 400 naming the field."""
+
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens
+    max_n: int = 64  # --max-n
+    max_tokens: int | None = None  # --max-tokens-limit
+    max_stop_strings: int = 16  # --max-stop-strings
+    max_stop_string_chars: int = 256  # --max-stop-string-length
+    max_tools: int = 128  # --max-tools
+    max_tool_schema_bytes: int = 64 << 10  # --max-tool-schema-bytes (each tool, as JSON)
+    max_logit_bias: int = 1024  # --max-logit-bias
+
+    def __post_init__(self) -> None:
+        for flag, value, low in (
+            ("--max-prompt-tokens", self.max_prompt_tokens, 1), ("--max-n", self.max_n, 1),
+            ("--max-tokens-limit", self.max_tokens, 1),
+            ("--max-stop-strings", self.max_stop_strings, 0),
+            ("--max-stop-string-length", self.max_stop_string_chars, 1),
+            ("--max-tools", self.max_tools, 0),
+            ("--max-tool-schema-bytes", self.max_tool_schema_bytes, 2),
+            ("--max-logit-bias", self.max_logit_bias, 0),
+        ):
+            if value is not None and value < low:
+                raise ValueError(f"{flag}: must be >= {low}, got {value}")
+        if self.max_n > MAX_N:
+            raise ValueError(f"--max-n: must be <= {MAX_N}, got {self.max_n}")
+
+
+@dataclass(frozen=True)
 class ModelLimits:
-    """What the loaded engine can hold; fixed once the model is loaded."""
+    """What the loaded engine can hold (fixed once the model is loaded), and what the
+    operator lets one request ask for."""
 
     max_model_len: int
     vocab_size: int
     block_size: int
     num_kv_blocks: int
+    requests: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -208,11 +241,14 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
     ``max_tokens=None`` uses ``default_max_tokens`` (None: the rest of the context), clamped
     to what is left of the context so an unspecified length never fails.
     """
+    check_request_limits(req, max_tokens, limits.requests, max_tokens_param)
     room = limits.max_sequence_tokens - prompt_len
     if max_tokens is None:
         if room < 1:
             raise _too_long(prompt_len, 1, limits, prompt_param, prompt_param)
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        if limits.requests.max_tokens is not None:
+            max_tokens = min(max_tokens, limits.requests.max_tokens)
     elif max_tokens > room:
         raise _too_long(prompt_len, max_tokens, limits, max_tokens_param, prompt_param)
     bias = logit_bias(req)
@@ -273,9 +309,55 @@ def output_options(req: SamplingFields) -> OutputOptions:
                          req.skip_special_tokens, req.min_tokens)
 
 
+def check_request_limits(req: SamplingFields, max_tokens: int | None, lim: RequestLimits,
+                         max_tokens_param: str = "max_tokens") -> None:
+    """The operator's per-request limits (``met serve --max-n`` and friends)."""
+    if req.n > lim.max_n:
+        raise InvalidRequest(f"n: must be <= {lim.max_n} on this server (--max-n), got {req.n}",
+                             "n")
+    if lim.max_tokens is not None and max_tokens is not None and max_tokens > lim.max_tokens:
+        raise InvalidRequest(f"{max_tokens_param}: must be <= {lim.max_tokens} on this server "
+                             f"(--max-tokens-limit), got {max_tokens}", max_tokens_param)
+    stops = stop_strings(req)
+    if len(stops) > lim.max_stop_strings:
+        raise InvalidRequest(f"stop: at most {lim.max_stop_strings} stop strings on this server "
+                             f"(--max-stop-strings), got {len(stops)}", "stop")
+    for s in stops:
+        if len(s) > lim.max_stop_string_chars:
+            raise InvalidRequest(f"stop: each stop string must be at most "
+                                 f"{lim.max_stop_string_chars} characters "
+                                 f"(--max-stop-string-length), got {len(s)}", "stop")
+    if req.logit_bias is not None and len(req.logit_bias) > lim.max_logit_bias:
+        raise InvalidRequest(f"logit_bias: at most {lim.max_logit_bias} entries on this server "
+                             f"(--max-logit-bias), got {len(req.logit_bias)}", "logit_bias")
+    _check_tools(getattr(req, "tools", None), lim)
+
+
+def _check_tools(tools: Any, lim: RequestLimits) -> None:
+    """How many tools, and how big each one's definition is (its JSON schema is compiled
+    into a grammar, whose cost grows with its size)."""
+    if not tools:
+        return
+    if len(tools) > lim.max_tools:
+        raise InvalidRequest(f"tools: at most {lim.max_tools} tools on this server "
+                             f"(--max-tools), got {len(tools)}", "tools")
+    for i, tool in enumerate(tools):
+        raw = tool.model_dump(exclude_none=True) if hasattr(tool, "model_dump") else tool
+        size = len(json.dumps(raw, ensure_ascii=False, default=str).encode())
+        if size > lim.max_tool_schema_bytes:
+            raise InvalidRequest(f"tools.{i}: the tool definition is {size} bytes of JSON, over "
+                                 f"this server's {lim.max_tool_schema_bytes} "
+                                 f"(--max-tool-schema-bytes)", f"tools.{i}")
+
+
 def check_prompt_tokens(ids: list[int], limits: ModelLimits, param: str) -> None:
     if not ids:
         raise InvalidRequest(f"{param}: must contain at least one token", param)
+    cap = limits.requests.max_prompt_tokens
+    if cap is not None and len(ids) > cap:
+        raise InvalidRequest(f"{param}: {len(ids)} tokens, over this server's limit of "
+                             f"{cap} prompt tokens (--max-prompt-tokens)", param,
+                             "context_length_exceeded")
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequest(f"{param}: token ids {bad[:5]} are outside the vocabulary "
