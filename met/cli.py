@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from met.bench.cli import add_bench_parser
 from met.loader.resolve import hf_cache_dirs
 
 
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    add_bench_parser(sub)
 
 
     args = parser.parse_args(argv)

@@ -1,0 +1,72 @@
+"""Prompts of about N tokens for any server, whatever its tokenizer.
+
+A prompt is seeded random words. Each request gets its own words from the first one on, so
+no two requests share a cached prefix. How many tokens a word costs (on this server, with
+its chat template for the chat endpoint) is measured once with two ``max_tokens=1`` requests
+and their ``usage.prompt_tokens``, then the word count is solved for the target.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import httpx
+
+from met.bench.loadgen import Target, complete
+
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force "
+    "education river garden stone light window paper music field bridge market letter ocean "
+    "forest mountain engine signal winter summer island village doctor picture season"
+).split()
+
+
+def words(n: int, seed: int) -> str:
+    """``n`` random words, the same for the same seed."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(max(n, 1)))
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    """prompt tokens ≈ overhead + per_word · words (fitted on this server)."""
+
+    overhead: float
+    per_word: float
+
+    def words_for(self, tokens: int) -> int:
+        return max(1, round((tokens - self.overhead) / self.per_word))
+
+
+async def _prompt_tokens(client: httpx.AsyncClient, target: Target, text: str) -> int:
+    out = await complete(client, target, target.body(text, 1, stream=False))
+    usage = out.get("usage") or {}
+    if usage.get("prompt_tokens") is None:
+        raise RuntimeError(f"{target.root}{target.path} sent no usage.prompt_tokens; "
+                           "cannot size prompts")
+    return int(usage["prompt_tokens"])
+
+
+async def measure_shape(client: httpx.AsyncClient, target: Target, tokens: int,
+                        seed: int = 10_000) -> PromptShape:
+    """Fit tokens-per-word and the fixed overhead (BOS, chat template) on the server, with a
+    second probe sized near ``tokens`` so it stays within the model's length."""
+    small = 8
+    a = await _prompt_tokens(client, target, words(small, seed))
+    large = max(2 * small, round(tokens * small / max(a, 1)))
+    b = await _prompt_tokens(client, target, words(large, seed + 1))
+    per_word = max((b - a) / (large - small), 0.05)
+    return PromptShape(overhead=a - per_word * small, per_word=per_word)
+
+
+def prompt_set(shape: PromptShape, tokens: int, count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct prompts of about ``tokens`` tokens each."""
+    n = shape.words_for(tokens)
+    return [words(n, seed * 1_000_003 + i) for i in range(count)]

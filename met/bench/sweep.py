@@ -1,0 +1,139 @@
+"""The concurrency ladder: at each rung, ``concurrency`` clients each send ``reps`` streamed
+requests back to back (a closed loop), and the rung's statistics are taken over all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import httpx
+
+from met.bench.loadgen import RequestResult, Target, stream_request
+from met.bench.progress import Progress
+from met.bench.prompts import PromptShape, measure_shape, prompt_set
+from met.bench.stats import RungStats, rung_stats
+
+SWEEP_KIND = "met-bench-sweep"
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """What a sweep sends. Validated here so a bad flag fails before any request."""
+
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    isl: int = 128  # prompt tokens (approximately; the measured mean is reported)
+    osl: int = 128  # output tokens per request (max_tokens, with ignore_eos)
+    reps: int = 1  # requests per client per rung
+    warmup: int = 1  # unmeasured requests before the ladder
+    seed: int = 0  # prompts are the same for the same seed
+    timeout: float = 600.0  # per request, seconds
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"--concurrency: a comma list of integers >= 1, "
+                             f"got {self.concurrency!r}")
+        for name in ("isl", "osl", "reps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name}: must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup: must be >= 0, got {self.warmup}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout: must be > 0, got {self.timeout}")
+
+
+@dataclass
+class SweepResult:
+    """A whole sweep, as written by ``--out`` and read by ``compare``."""
+
+    label: str
+    url: str
+    model: str
+    endpoint: str
+    settings: SweepSettings
+    rungs: list[RungStats] = field(default_factory=list)
+    prompt_shape: PromptShape | None = None
+    created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(
+        timespec="seconds"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": SWEEP_KIND, "label": self.label, "url": self.url, "model": self.model,
+            "endpoint": self.endpoint, "created_at": self.created_at,
+            "settings": asdict(self.settings),
+            "prompt_shape": asdict(self.prompt_shape) if self.prompt_shape else None,
+            "rungs": [r.to_dict() for r in self.rungs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SweepResult:
+        if data.get("kind") != SWEEP_KIND:
+            raise ValueError(f"not a `met bench sweep` result (kind={data.get('kind')!r})")
+        s = dict(data["settings"])
+        s["concurrency"] = tuple(s["concurrency"])
+        shape = data.get("prompt_shape")
+        return cls(label=data["label"], url=data["url"], model=data["model"],
+                   endpoint=data["endpoint"], settings=SweepSettings(**s),
+                   rungs=[RungStats.from_dict(r) for r in data["rungs"]],
+                   prompt_shape=PromptShape(**shape) if shape else None,
+                   created_at=data.get("created_at", ""))
+
+
+async def run_batch(client: httpx.AsyncClient, target: Target, bodies: list[dict[str, Any]],
+                    concurrency: int, timeout: float,
+                    progress: Progress | None = None) -> tuple[list[RequestResult], float]:
+    """Send ``bodies`` with at most ``concurrency`` in flight; results in body order and the
+    wall time from the first send to the last finish."""
+    results: list[RequestResult | None] = [None] * len(bodies)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(bodies)):
+        queue.put_nowait(i)
+
+    async def worker() -> None:
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            results[i] = r = await stream_request(client, target, bodies[i], timeout)
+            if progress is not None:
+                progress.update(r.ok)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
+    return [r for r in results if r is not None], time.perf_counter() - start
+
+
+def new_client(max_concurrency: int) -> httpx.AsyncClient:
+    """An async client with room for every stream of the largest rung."""
+    limits = httpx.Limits(max_connections=max_concurrency + 8,
+                          max_keepalive_connections=max_concurrency + 8)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
+
+
+async def run_sweep(target: Target, settings: SweepSettings, label: str | None = None,
+                    progress_stream: TextIO | None = None) -> SweepResult:
+    """Run the ladder against ``target``; one RungStats per concurrency, in the given order."""
+    result = SweepResult(label=label or f"{target.model}@{target.root}", url=target.root,
+                         model=target.model, endpoint=target.endpoint, settings=settings)
+    async with new_client(max(settings.concurrency)) as client:
+        shape = await measure_shape(client, target, settings.isl)
+        result.prompt_shape = shape
+        if settings.warmup:
+            prompts = prompt_set(shape, settings.isl, settings.warmup, seed=settings.seed + 997)
+            bodies = [target.body(p, settings.osl) for p in prompts]
+            with Progress(len(bodies), "warmup", progress_stream) as bar:
+                await run_batch(client, target, bodies, max(settings.concurrency),
+                                settings.timeout, bar)
+        for rung, c in enumerate(settings.concurrency):
+            n = c * settings.reps
+            prompts = prompt_set(shape, settings.isl, n, seed=settings.seed * 7919 + rung + 1)
+            bodies = [target.body(p, settings.osl) for p in prompts]
+            with Progress(n, f"concurrency {c:>3}", progress_stream) as bar:
+                results, wall = await run_batch(client, target, bodies, c, settings.timeout,
+                                                bar)
+            result.rungs.append(rung_stats(c, results, wall))
+    return result
