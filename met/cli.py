@@ -222,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
 
-
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
