@@ -27,6 +27,12 @@ from typing import Any, ClassVar
 _WS = " \t\r\n"
 
 
+def loads(text: str) -> Any:
+    """JSON as models write it: raw control characters inside strings are accepted
+    (xgrammar's JSON grammar allows them too)."""
+    return json.loads(text, strict=False)
+
+
 @dataclass(frozen=True)
 class ParsedCall:
     """One call: ``name is None`` only in snapshots, while the name is still incomplete."""
@@ -263,7 +269,7 @@ def scan_object(text: str, i: int, final: bool) -> ObjectScan:
         if kend is None:
             return ObjectScan(members, None, True)
         try:
-            key = json.loads(text[j:kend])
+            key = loads(text[j:kend])
         except ValueError:
             return ObjectScan(members, None, False)
         j = skip_ws(text, kend)
@@ -304,7 +310,7 @@ def call_from_object(text: str, scan: ObjectScan, final: bool,
         s, e = scan.members["name"]
         if e is not None:
             try:
-                value = json.loads(text[s:e])
+                value = loads(text[s:e])
             except ValueError:
                 return None
             if not isinstance(value, str) or not value:
@@ -319,22 +325,45 @@ def call_from_object(text: str, scan: ObjectScan, final: bool,
             args = ""
             if e is not None:
                 try:
-                    args = json.loads(raw)
+                    args = loads(raw)
                 except ValueError:
                     return None
         else:
-            args = raw
+            args = escape_controls(raw)
     if final:
         if name is None or scan.end is None:
             return None
         if key is None:
             args = "{}"
         try:
-            if not isinstance(json.loads(args), dict):
+            if not isinstance(loads(args), dict):
                 return None
         except ValueError:
             return None
     return ParsedCall(name, args)
+
+
+def escape_controls(raw: str) -> str:
+    """JSON text with raw control characters inside strings escaped (``\\u0001``), so that
+    strict parsers (``json.loads``) read arguments that a lenient grammar let through. Works
+    character by character, so a prefix maps to a prefix of the whole (streaming)."""
+    if not any(ord(c) < 0x20 for c in raw):
+        return raw
+    out = []
+    in_string = escaped = False
+    for c in raw:
+        if in_string and ord(c) < 0x20:
+            out.append(f"\\u{ord(c):04x}")
+            escaped = False
+            continue
+        out.append(c)
+        if escaped:
+            escaped = False
+        elif c == "\\" and in_string:
+            escaped = True
+        elif c == '"':
+            in_string = not in_string
+    return "".join(out)
 
 
 def tools_json(tools: Sequence[dict[str, Any]]) -> str:

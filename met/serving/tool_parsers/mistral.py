@@ -11,7 +11,9 @@ from met.serving.tool_parsers.base import (
     ParsedCall,
     ToolParser,
     call_from_object,
+    escape_controls,
     join_content,
+    loads,
     partial_tag_len,
     scan_object,
     skip_ws,
@@ -103,15 +105,15 @@ class MistralToolParser(ToolParser):
             v = skip_ws(text, a + len(ARGS))
             end = value_end(text, v, final) if v < len(text) else None
             if end is None:
-                calls.append(ParsedCall(name, text[v:]))
+                calls.append(ParsedCall(name, escape_controls(text[v:])))
                 return calls, None
             raw = text[v:end]
             try:
-                if not isinstance(json.loads(raw), dict):
+                if not isinstance(loads(raw), dict):
                     return None
             except ValueError:
                 return None
-            calls.append(ParsedCall(name, raw))
+            calls.append(ParsedCall(name, escape_controls(raw)))
             nxt = skip_ws(text, end)
             if text.startswith(TOOL_CALLS, nxt):
                 i = nxt

@@ -1,9 +1,10 @@
 """``qwen3_coder``: Qwen3-Coder's XML calls,
 ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``.
 
-Parameter values are plain text; each is converted by the type its tool's JSON schema gives
-it (string, integer, number, boolean, object/array as JSON), and the arguments are written as
-a JSON object in the order the parameters came. A call streams one parameter at a time.
+Parameter values are plain text (surrounding whitespace dropped); each is converted by the
+type its tool's JSON schema gives it (string, integer, number, boolean, object/array as JSON),
+and the arguments are written as a JSON object in the order the parameters came. A call
+streams one parameter at a time.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from met.serving.tool_parsers.base import ParsedCall, ToolParser, join_content, partial_tag_len
+from met.serving.tool_parsers.base import (
+    ParsedCall,
+    ToolParser,
+    join_content,
+    loads,
+    partial_tag_len,
+)
 
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -137,14 +144,14 @@ def convert(value: str, schema: Any) -> Any:
             if t == "boolean" and v.lower() in ("true", "false"):
                 return v.lower() == "true"
             if t in ("object", "array"):
-                parsed = json.loads(v)
+                parsed = loads(v)
                 if isinstance(parsed, dict if t == "object" else list):
                     return parsed
         except ValueError:
             continue
     if not types and isinstance(schema, dict) and schema:  # enum/anyOf etc.: try JSON
         try:
-            return json.loads(value)
+            return loads(value)
         except ValueError:
             pass
     return value
@@ -155,12 +162,9 @@ def _args(parts: list[str], closed: bool) -> str:
 
 
 def _strip_newline(value: str) -> str:
-    """The value between the tags, less the one newline each side the format puts there."""
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
+    """The value between the tags without the whitespace around it (the format puts a newline
+    each side, and the grammar lets whitespace pad a value)."""
+    return value.strip(" \t\r\n")
 
 
 def _skip_space(text: str, i: int) -> int:
