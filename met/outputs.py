@@ -10,9 +10,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # why, when finish_reason is "error" (e.g. a grammar dead end)
+    # Beam search: the hypothesis' score (sum of logprobs / generated_len ** length_penalty).
+    cumulative_logprob: float | None = None
 
 
 @dataclass

@@ -251,7 +251,9 @@ class AsyncEngine:
             # (tokens counted as computed but not sampled, KV written for blocks the prefix
             # cache already published), so it cannot be trusted with another step: the
             # exception reaches _run, which marks the engine faulted and fails every stream.
-            updates: list[StreamItem] = list(core.step())
+            updates: list[StreamItem] = [
+                RequestFailed(u.request_id, u.error, False) if u.error else u
+                for u in core.step()]
             self._publish(core)
             self._post(updates)
             stalled = not updates

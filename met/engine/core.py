@@ -11,6 +11,7 @@ from met.cache.kv_manager import KVCacheManager, KVStats
 from met.config import EngineConfig
 from met.loader.model_loader import LoadedModel, load_model
 from met.runner.model_runner import ModelRunner, kv_bytes_per_block
+from met.sampling.grammar import GrammarCompiler
 from met.sampling.params import SamplingParams
 from met.sampling.sampler import Sampler, dry_breaker_ids
 from met.scheduler.request import Request
@@ -35,6 +36,9 @@ class RequestUpdate:
     # Set on the request's first update when it asked for prompt logprobs: one entry per
     # prompt token, None for the first.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Set (with finish_reason "error") when the request failed on its own, e.g. its grammar
+    # reached a dead end; the server fails that request and no other.
+    error: str | None = None
 
 
 class EngineCore:
@@ -55,6 +59,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens", num_blocks, config.block_size,
                  num_blocks * config.block_size)
 
@@ -75,6 +80,18 @@ class EngineCore:
             log.warning("KV pool (%d blocks) cannot hold one max_model_len sequence (%d blocks)",
                         num_blocks, min_blocks)
         return num_blocks
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            if self.loaded.tokenizer is None:
+                raise ValueError("structured_outputs: this model has no tokenizer to compile "
+                                 "a grammar against")
+            self._grammars = GrammarCompiler(self.loaded.tokenizer,
+                                             int(self.loaded.hf_config.vocab_size),
+                                             sorted(self.loaded.eos_token_ids))
+        return self._grammars
 
     @property
     def capacity_tokens(self) -> int:
@@ -109,6 +126,8 @@ class EngineCore:
             )
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.matcher(params.structured_outputs)
         if params.dry_multiplier > 0:
             req.dry_breaker_ids = dry_breaker_ids(params.dry_sequence_breakers,
                                                   self.loaded.tokenizer)
@@ -152,10 +171,22 @@ class EngineCore:
         reqs = [self.requests[rid] for rid in step_logits.request_ids]
         result = self.sampler(step_logits.logits, reqs)
         updates = []
-        for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
+        dead = set(result.dead_ends)
+        for row, (req, token, lp) in enumerate(
+                zip(reqs, result.token_ids, result.logprobs, strict=True)):
+            if row in dead:
+                updates.append(self._fail(req, "structured output: the grammar allows no next "
+                                          "token here (a dead end, e.g. min_tokens, "
+                                          "bad_words or allowed_token_ids exclude what it "
+                                          "needs)"))
+                continue
             req.all_token_ids.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
+            if req.grammar is not None and not req.grammar.accept(token):
+                updates.append(self._fail(req, f"structured output: the grammar rejected "
+                                          f"token {token}"))
+                continue
             self._check_stop(req, token)
             first = req.num_output_tokens == 1 and req.params.prompt_logprobs is not None
             updates.append(RequestUpdate(
@@ -166,6 +197,12 @@ class EngineCore:
             if req.is_finished:
                 del self.requests[req.request_id]
         return updates
+
+    def _fail(self, req: Request, message: str) -> RequestUpdate:
+        self.scheduler.finish(req, "error")
+        del self.requests[req.request_id]
+        return RequestUpdate(req.request_id, [], [], True, "error", None,
+                             req.num_cached_tokens or 0, error=message)
 
     @staticmethod
     def _add_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
@@ -188,6 +225,9 @@ class EngineCore:
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
+        if req.grammar is not None and req.grammar.is_terminated:
+            self.scheduler.finish(req, "stop")  # the grammar's stop token (EOS) was taken
+            return
         if req.num_output_tokens >= p.min_tokens:
             if token in p.stop_token_ids:
                 req.stop_reason = token

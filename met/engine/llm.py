@@ -10,6 +10,7 @@ from met.cache.kv_manager import KVStats
 from met.config import EngineConfig
 from met.engine.core import EngineCore
 from met.outputs import CompletionOutput, RequestOutput
+from met.sampling.beam_search import beam_state, step_params, top_pairs
 from met.sampling.params import SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -55,6 +56,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = _broadcast_params(sampling_params, len(prompts))
+        if any(p.num_beams > 1 for p in params_list):
+            return self._generate_with_beams(prompts, params_list)
         entries = []
         for prompt, params in zip(prompts, params_list, strict=True):
             text, token_ids = self._tokenize(prompt)
@@ -70,6 +73,58 @@ class LLM:
             raise
         return [self._make_output(rid, text, ids, params, finished[rid])
                 for rid, text, ids, params in entries]
+
+    def _generate_with_beams(self, prompts: Sequence[Prompt],
+                             params_list: list[SamplingParams]) -> list[RequestOutput]:
+        """Prompts with num_beams > 1 run beam search (all of them advancing together, one
+        token per step); the others run as usual. Outputs stay in prompt order."""
+        plain = [i for i, p in enumerate(params_list) if p.num_beams == 1]
+        outputs: dict[int, RequestOutput] = {}
+        if plain:
+            done = self.generate([prompts[i] for i in plain], [params_list[i] for i in plain])
+            outputs.update(zip(plain, done, strict=True))
+        searches = {}
+        for i, params in enumerate(params_list):
+            if params.num_beams > 1:
+                text, ids = self._tokenize(prompts[i])
+                searches[i] = (text, ids, params, beam_state(
+                    params, self.engine.loaded.eos_token_ids, params.num_beams))
+        while any(not s.done for *_, s in searches.values()):
+            pending = []
+            for i, (_, ids, _, state) in searches.items():
+                if state.done:
+                    continue
+                step = step_params(state)
+                for b, beam in enumerate(state.running):
+                    rid = f"beam-{next(self._ids)}"
+                    pending.append((i, b, rid))
+                    self.engine.add_request(rid, ids + list(beam.tokens), step)
+            try:
+                finished = self._run_to_completion()
+            except BaseException:
+                for _, _, rid in pending:
+                    self.engine.abort_request(rid)
+                raise
+            per_search: dict[int, list] = {}
+            for i, _b, rid in pending:
+                state = searches[i][3]
+                entry = finished[rid][-1].new_logprobs[0]
+                per_search.setdefault(i, []).append(top_pairs(entry, state.candidates_per_beam))
+            for i, pairs in per_search.items():
+                searches[i][3].step(pairs)
+        for i, (text, ids, params, state) in searches.items():
+            completions = []
+            for j, beam in enumerate(state.results()):
+                tokens = list(beam.tokens)
+                ended = bool(tokens) and tokens[-1] in state.eos_token_ids
+                completions.append(CompletionOutput(
+                    index=j, text=self._detokenize(tokens), token_ids=tokens,
+                    finish_reason="stop" if ended else "length",
+                    stop_reason=tokens[-1] if ended and tokens[-1] in params.stop_token_ids
+                    else None, cumulative_logprob=beam.score))
+            outputs[i] = RequestOutput(f"beam-{next(self._ids)}", text, ids, completions,
+                                       finished=True)
+        return [outputs[i] for i in range(len(params_list))]
 
     def chat(
         self,
@@ -125,7 +180,7 @@ class LLM:
         completion = CompletionOutput(
             index=0, text=out_text, token_ids=token_ids, finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
-            logprobs=logprobs if params.logprobs is not None else None,
+            logprobs=logprobs if params.logprobs is not None else None, error=last.error,
         )
         prompt_logprobs = next((u.prompt_logprobs for u in updates
                                 if u.prompt_logprobs is not None), None)

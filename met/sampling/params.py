@@ -136,6 +136,11 @@ class SamplingParams:
       (``min_pattern_size``..``max_pattern_size`` tokens) repeated ``min_count`` times in a
       row finishes with finish_reason "length" and stop_reason "repetition". A mapping with
       those keys is accepted.
+    - num_beams > 1 runs beam search instead of sampling (transformers' rules, so the
+      output equals ``generate(num_beams=…)``): scores are sums of raw logprobs, finished
+      hypotheses are ranked by ``score / generated_len ** length_penalty``, and
+      ``early_stopping`` (true / false / "never") decides when to stop. Temperature, filters,
+      penalties and seeds do not apply to it; ``n`` best beams come back (n <= num_beams).
     - logprobs=k returns the chosen token's logprob plus the k most likely tokens' of the
       **raw model distribution** (log-softmax of the model's logits, before any penalty,
       mask, bias, temperature or filter).
@@ -171,6 +176,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     repetition_detection: RepetitionDetection | Mapping[str, int] | None = None
     structured_outputs: StructuredOutputs | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -208,11 +216,22 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        # The HTTP API caps logprobs at MAX_LOGPROBS; in-process callers (beam search) may
+        # ask for more.
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs: must be >= 0, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.prompt_logprobs}")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams: must be >= 1 (1 = no beam search), got "
+                             f"{self.num_beams}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty: must be a finite number, got "
+                             f"{self.length_penalty}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping: must be true, false or \"never\", got "
+                             f"{self.early_stopping!r}")
         rd = self.repetition_detection
         if isinstance(rd, Mapping):
             unknown = set(rd) - {"min_pattern_size", "max_pattern_size", "min_count"}

@@ -2,8 +2,8 @@
 
 Pipeline (each stage only touches the rows that use it):
 min_tokens mask → repetition / presence / frequency / LZ / DRY penalties → bad_words and
-allowed_token_ids masks → logit_bias → [greedy rows: argmax] → top-n-σ → temperature →
-top-k → min-p → top-p → sample.
+allowed_token_ids masks → logit_bias → grammar mask → [greedy rows: argmax] → top-n-σ →
+temperature → top-k → min-p → top-p → sample.
 
 Randomness comes from an exponential race (argmax of p / E, E ~ Exp(1)), which samples
 exactly from p. Each seeded request draws its E from its own generator, so its tokens
@@ -13,10 +13,11 @@ never depend on its batch mates or its row. Logprobs are of the raw model distri
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from met.sampling.grammar import apply_grammar_masks
 from met.sampling.params import SamplingParams
 from met.scheduler.request import Request
 
@@ -27,6 +28,8 @@ _NEG_INF = float("-inf")
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # per row, when the request asked for them
+    # Rows whose grammar allowed no token (their token is meaningless: fail the request).
+    dead_ends: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -43,6 +46,7 @@ class Sampler:
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = process_logits(logits, requests)
+        dead_ends = apply_grammar_masks(logits, [r.grammar for r in requests])
 
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -61,7 +65,7 @@ class Sampler:
             if raw_logprobs is not None and r.params.logprobs is not None else None
             for i, r in enumerate(requests)
         ]
-        return SampleResult(token_list, logprobs)
+        return SampleResult(token_list, logprobs, dead_ends)
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -357,7 +361,7 @@ def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 def _logprob_entry(row: torch.Tensor, token: int, top: int) -> dict[int, float]:
     entry = {token: float(row[token])}
     if top:
-        values, ids = row.topk(top)
+        values, ids = row.topk(min(top, row.numel()))
         for v, t in zip(values.tolist(), ids.tolist(), strict=True):
             entry.setdefault(t, v)
     return entry

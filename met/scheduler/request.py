@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class Request:
     # in as prefill chunks run (recomputed chunks after a preemption are not added twice).
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY sequence breakers as token ids
+    grammar: Any = None  # a GrammarState when params.structured_outputs is set
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from met.serving.errors import InvalidRequest
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
 class StreamOptions(_Body):
@@ -34,6 +34,31 @@ class RepetitionDetectionField(_Body):
     min_pattern_size: int = 1
     max_pattern_size: int = 32
     min_count: int = 4
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: text, json_object, or json_schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
 
 class SamplingFields(_Body):
@@ -69,6 +94,13 @@ class SamplingFields(_Body):
     bad_words: list[str | list[int]] | None = None  # strings (tokenized here) or token ids
     allowed_token_ids: list[int] | None = None
     repetition_detection: RepetitionDetectionField | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM's older names for structured_outputs' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None  # accepted, unused
 
     @property
@@ -114,8 +146,9 @@ _PROMPT_FORMS = ("a string, a list of strings, a list of token ids, or a list of
 _FIELD_NAMES = frozenset(
     name
     for m in (StreamOptions, ContentPart, ChatMessage, ChatCompletionRequest, CompletionRequest,
-              TokenizeRequest, DetokenizeRequest, RepetitionDetectionField)
-    for name in m.model_fields
+              TokenizeRequest, DetokenizeRequest, RepetitionDetectionField, ResponseFormat,
+              JsonSchemaFormat, StructuredOutputsField)
+    for name in (*m.model_fields, *(f.alias for f in m.model_fields.values() if f.alias))
 )
 
 

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from met.api.context import read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
 from met.api.openai.logprobs import chat_logprobs
+from met.api.openai.structured import with_structured_outputs
 from met.api.sse import SSEResponse
 from met.serving.generate import ChoiceDelta, Generation
 from met.serving.prompts import render_chat
@@ -37,6 +38,7 @@ async def chat_completions(request: Request) -> Response:
     check_prompt_tokens(prompt.token_ids, model.limits, "messages")
     params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
                           "messages", max_tokens_param, model.tokenizer)
+    params, = await with_structured_outputs(ctx, req, [params])
     top = params.logprobs
 
     def logprobs(entries) -> dict | None:

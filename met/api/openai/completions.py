@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from met.api.context import read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
 from met.api.openai.logprobs import completion_logprobs, prompt_logprobs
+from met.api.openai.structured import with_structured_outputs
 from met.api.sse import SSEResponse
 from met.serving.generate import ChoiceDelta, ChoiceState, Generation
 from met.serving.prompts import completion_prompts
@@ -44,6 +45,7 @@ async def completions(request: Request) -> Response:
         params.append(build_params(req, req.max_tokens, len(p.token_ids), model.limits,
                                    COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt",
                                    tokenizer=model.tokenizer))
+    params = await with_structured_outputs(ctx, req, params)
     ctx.check_queue()
     gen = ctx.new_generation(request, "completion", prompts, params, req.n,
                              output_options(req))
