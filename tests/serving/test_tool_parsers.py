@@ -53,6 +53,10 @@ CASES = [
                 '[ARGS]{"city": "Metz"}', "Checking.",
      [("get_weather", {"city": "Nice"}), ("get_weather", {"city": "Metz"})]),
     ("mistral", "Plain [TOOL text [x].", "Plain [TOOL text [x].", []),
+    ("mistral", ' [{"name": "get_weather", "arguments": {"city": "Pau"}}]', "",
+     [("get_weather", {"city": "Pau"})]),  # the tag was a skipped special token
+    ("mistral", '[{"a": 1}] is a JSON answer', '[{"a": 1}] is a JSON answer', []),
+    ("mistral", "[ ] [x]", "[ ] [x]", []),
     ("qwen3_coder", "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
                     "New York\n</parameter>\n<parameter=days>\n5\n</parameter>\n"
                     "<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[1, 2.5]\n"

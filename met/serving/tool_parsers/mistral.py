@@ -1,5 +1,7 @@
 """``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` objects, or the
-newer ``[TOOL_CALLS]name[ARGS]{...}`` form (repeated for several calls)."""
+newer ``[TOOL_CALLS]name[ARGS]{...}`` form (repeated for several calls). ``[TOOL_CALLS]`` is a
+control token, so with special tokens skipped an output that starts with the list is a call
+list too."""
 
 from __future__ import annotations
 
@@ -31,10 +33,20 @@ class MistralToolParser(ToolParser):
     def scan(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
         tag = text.find(TOOL_CALLS)
         if tag < 0:
-            tail = text if final else text[:len(text) - partial_tag_len(text, (TOOL_CALLS,))]
-            return join_content([tail], 0, not final), []
-        head = text[:tag]
-        i = skip_ws(text, tag + len(TOOL_CALLS))
+            # The tag is a control token: with special tokens skipped, the output starts
+            # right at the list.
+            first = skip_ws(text, 0)
+            after = skip_ws(text, first + 1)
+            if not final and (first == len(text) or (text[first] == "[" and after == len(text))):
+                return "", []  # may still become a list of calls
+            if first < len(text) and text[first] == "[" and text.startswith("{", after):
+                head, tag, i = "", first, first
+            else:
+                tail = text if final else text[:len(text) - partial_tag_len(text, (TOOL_CALLS,))]
+                return join_content([tail], 0, not final), []
+        else:
+            head = text[:tag]
+            i = skip_ws(text, tag + len(TOOL_CALLS))
         if i >= len(text):
             return (join_content([text], 0, False), []) if final else \
                 (join_content([head], 0, True), [])
