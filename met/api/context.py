@@ -18,9 +18,12 @@ from met.api.metrics import ServerMetrics
 from met.api.ratelimit import RateLimiter
 from met.engine.async_engine import AsyncEngine, EngineState
 from met.sampling.params import SamplingParams
+from met.serving.beam import BeamGeneration
 from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceState, Generation
 from met.serving.prompts import Prompt
+from met.serving.reasoning import REASONING_PARSER_CHOICES
+from met.serving.tool_parsers import TOOL_PARSER_CHOICES
 from met.serving.validation import ModelLimits, OutputOptions, RequestLimits
 
 log = logging.getLogger("met.api")
@@ -45,8 +48,17 @@ class ServerConfig:
     rate_limit_rpm: int | None = None  # requests per minute per key
     rate_limit_tpm: int | None = None  # prompt + max_tokens per minute per key
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    tool_call_parser: str = "auto"  # --tool-call-parser (auto: from the chat template)
+    reasoning_parser: str = "auto"  # --reasoning-parser (auto: think if the template has it)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_PARSER_CHOICES:
+            raise ValueError(f"--tool-call-parser: must be one of "
+                             f"{', '.join(TOOL_PARSER_CHOICES)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSER_CHOICES:
+            raise ValueError(f"--reasoning-parser: must be one of "
+                             f"{', '.join(REASONING_PARSER_CHOICES)}, got "
+                             f"{self.reasoning_parser!r}")
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError("--served-model-name: needs at least one non-empty name")
         if not 0 <= self.port <= 65535:
@@ -162,9 +174,10 @@ class ServerContext:
             tokens = n * sum(len(p.token_ids) + sp.max_tokens
                              for p, sp in zip(prompts, params, strict=True))
             self.rate_limiter.admit(rate_limit_key(request, self.config), tokens)
-        gen = Generation(self.engine, model.tokenizer, prompts, params, n, options,
-                         self.config.request_timeout, self._on_choice_done,
-                         request_id=request_id(request))
+        kind_cls = BeamGeneration if params[0].num_beams > 1 else Generation
+        gen = kind_cls(self.engine, model.tokenizer, prompts, params, n, options,
+                       self.config.request_timeout, self._on_choice_done,
+                       request_id=request_id(request))
         self._admitted[id(gen)] = gen
         if self.config.log_requests:
             # Prompts are user data: only ever logged when the operator asked for it.

@@ -4,7 +4,7 @@ names the field and the allowed range."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,10 +24,40 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class MessageToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Body):
+    """An assistant message's ``tool_calls`` entry (history of an agent loop)."""
+
+    id: str | None = None
+    type: str = "function"
+    function: MessageToolCallFunction
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # role assistant
+    tool_call_id: str | None = None  # role tool
+    reasoning_content: str | None = None  # role assistant: thinking some templates re-render
+
+
+class FunctionDefinition(_Body):
+    name: Any = None  # checked in met.serving.tools (400s naming the field)
+    description: str | None = None
+    parameters: Any = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    type: Any = None
+    function: FunctionDefinition | None = None
 
 
 class RepetitionDetectionField(_Body):
@@ -101,6 +131,9 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     user: str | None = None  # accepted, unused
 
     @property
@@ -115,6 +148,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or named
+    parallel_tool_calls: bool | None = None
+    enable_thinking: bool | None = None  # → chat_template_kwargs (templates that support it)
 
 
 class CompletionRequest(SamplingFields):
@@ -147,7 +184,8 @@ _FIELD_NAMES = frozenset(
     name
     for m in (StreamOptions, ContentPart, ChatMessage, ChatCompletionRequest, CompletionRequest,
               TokenizeRequest, DetokenizeRequest, RepetitionDetectionField, ResponseFormat,
-              JsonSchemaFormat, StructuredOutputsField)
+              JsonSchemaFormat, StructuredOutputsField, MessageToolCall,
+              MessageToolCallFunction, ToolDefinition, FunctionDefinition)
     for name in (*m.model_fields, *(f.alias for f in m.model_fields.values() if f.alias))
 )
 

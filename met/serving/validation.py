@@ -18,6 +18,7 @@ from met.serving.errors import InvalidRequest, from_value_error
 from met.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 MAX_N = 128
+MAX_BEAMS = 16
 _MAX_SEED = 2**63 - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -242,6 +243,7 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
     to what is left of the context so an unspecified length never fails.
     """
     check_request_limits(req, max_tokens, limits.requests, max_tokens_param)
+    check_beam_fields(req)
     room = limits.max_sequence_tokens - prompt_len
     if max_tokens is None:
         if room < 1:
@@ -291,9 +293,35 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
             logprobs=requested_logprobs(req),
             prompt_logprobs=requested_prompt_logprobs(req),
             repetition_detection=repetition_detection(req),
+            num_beams=req.num_beams,
+            length_penalty=req.length_penalty,
+            early_stopping=req.early_stopping,
         )
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def check_beam_fields(req: SamplingFields) -> None:
+    """Beam search returns its best beams at the end: no streaming, no per-token logprobs,
+    no grammar, and at most num_beams choices."""
+    _in_range("num_beams", req.num_beams, 1, MAX_BEAMS)
+    if req.num_beams == 1:
+        return
+    if req.stream:
+        raise InvalidRequest("stream: beam search (num_beams > 1) cannot stream; send "
+                             "stream: false", "stream")
+    if req.n > req.num_beams:
+        raise InvalidRequest(f"n: must be <= num_beams ({req.num_beams}) with beam search, got "
+                             f"{req.n}", "n")
+    if requested_logprobs(req) is not None:
+        raise InvalidRequest("logprobs: not available with beam search (num_beams > 1)",
+                             "logprobs")
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar"):
+        value = getattr(req, name)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            raise InvalidRequest(f"{name}: not available with beam search (num_beams > 1)",
+                                 name)
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
