@@ -15,7 +15,13 @@ from met.api.sse import SSEResponse
 from met.serving.generate import ChoiceDelta, Generation
 from met.serving.prompts import render_chat
 from met.serving.protocol import ChatCompletionRequest, parse_body
-from met.serving.validation import build_params, check_prompt_tokens, check_ranges, output_options
+from met.serving.validation import (
+    build_params,
+    check_prompt_tokens,
+    check_ranges,
+    check_request_limits,
+    output_options,
+)
 
 router = APIRouter()
 
@@ -33,6 +39,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
     max_tokens_param = "max_completion_tokens" if use_mct else "max_tokens"
     check_ranges(req, max_tokens, max_tokens_param)
+    check_request_limits(req, max_tokens, model.limits.requests, max_tokens_param)
     prompt = render_chat(model.tokenizer, model.chat_template, req.messages,
                          req.add_generation_prompt, req.chat_template_kwargs)
     check_prompt_tokens(prompt.token_ids, model.limits, "messages")
