@@ -3,7 +3,8 @@
 from met.engine.llm import LLM
 from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.params import SamplingParams, StructuredOutputs
+from met.sampling.thinking import ThinkingBudget
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs",
-           "__version__"]
+           "ThinkingBudget", "__version__"]

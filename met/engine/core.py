@@ -14,6 +14,7 @@ from met.runner.model_runner import ModelRunner, kv_bytes_per_block
 from met.sampling.grammar import GrammarCompiler
 from met.sampling.params import SamplingParams
 from met.sampling.sampler import Sampler, dry_breaker_ids
+from met.sampling.thinking import ThinkingState
 from met.scheduler.request import Request
 from met.scheduler.scheduler import Scheduler
 
@@ -128,6 +129,9 @@ class EngineCore:
                       eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
         if params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)
+        if params.thinking_budget is not None:
+            req.thinking = ThinkingState(params.thinking_budget, self.grammars.token_bytes,
+                                         self.loaded.eos_token_ids)
         if params.dry_multiplier > 0:
             req.dry_breaker_ids = dry_breaker_ids(params.dry_sequence_breakers,
                                                   self.loaded.tokenizer)
@@ -180,10 +184,14 @@ class EngineCore:
                                           "bad_words or allowed_token_ids exclude what it "
                                           "needs)"))
                 continue
+            grammar_applied = req.grammar_applies()
+            if req.thinking is not None:
+                token = req.thinking.on_token(token)  # an EOS inside thinking closes it
+                grammar_applied = grammar_applied and not req.thinking.in_thinking
             req.all_token_ids.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
-            if req.grammar is not None and not req.grammar.accept(token):
+            if grammar_applied and not req.grammar.accept(token):
                 updates.append(self._fail(req, f"structured output: the grammar rejected "
                                           f"token {token}"))
                 continue

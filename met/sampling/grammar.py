@@ -44,6 +44,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._info = info
         self._control_tokens: torch.Tensor | None = None
+        self._token_bytes: list[bytes] | None = None
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._cache_size = cache_size
@@ -95,12 +96,19 @@ class GrammarCompiler:
         banned = self.control_tokens() if spec.kind in ("json", "json_object") else None
         return GrammarState(self._xgr.GrammarMatcher(compiled), banned)
 
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Each token's text as bytes (index = token id); built once."""
+        if self._token_bytes is None:
+            self._token_bytes = list(self._info.decoded_vocab)
+        return self._token_bytes
+
     def control_tokens(self) -> torch.Tensor:
         """Bool [vocab]: tokens whose text holds a control character (U+0000..U+001F)."""
         if self._control_tokens is None:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             stops = set(self._info.stop_token_ids)
-            for i, piece in enumerate(self._info.decoded_vocab[:self.vocab_size]):
+            for i, piece in enumerate(self.token_bytes[:self.vocab_size]):
                 if i not in stops and any(b < 0x20 for b in piece):
                     mask[i] = True
             self._control_tokens = mask

@@ -8,6 +8,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from met.sampling.thinking import ThinkingBudget
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 DRY_DEFAULT_BREAKERS: tuple[str, ...] = ("\n", ":", "\"", "*")
@@ -141,6 +143,9 @@ class SamplingParams:
       hypotheses are ranked by ``score / generated_len ** length_penalty``, and
       ``early_stopping`` (true / false / "never") decides when to stop. Temperature, filters,
       penalties and seeds do not apply to it; ``n`` best beams come back (n <= num_beams).
+    - thinking_budget (a ``ThinkingBudget``): the engine ends a reasoning model's thinking
+      after ``budget`` tokens (at a sentence end within ``grace_tokens``, never inside a code
+      fence) by forcing the end marker; a grammar applies only after the thinking ends.
     - logprobs=k returns the chosen token's logprob plus the k most likely tokens' of the
       **raw model distribution** (log-softmax of the model's logits, before any penalty,
       mask, bias, temperature or filter).
@@ -179,6 +184,7 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

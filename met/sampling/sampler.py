@@ -2,8 +2,9 @@
 
 Pipeline (each stage only touches the rows that use it):
 min_tokens mask → repetition / presence / frequency / LZ / DRY penalties → bad_words and
-allowed_token_ids masks → logit_bias → grammar mask → [greedy rows: argmax] → top-n-σ →
-temperature → top-k → min-p → top-p → sample.
+allowed_token_ids masks → logit_bias → grammar mask (outside thinking) → thinking-budget
+forced token → [greedy rows: argmax] → top-n-σ → temperature → top-k → min-p → top-p →
+sample.
 
 Randomness comes from an exponential race (argmax of p / E, E ~ Exp(1)), which samples
 exactly from p. Each seeded request draws its E from its own generator, so its tokens
@@ -46,7 +47,7 @@ class Sampler:
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = process_logits(logits, requests)
-        dead_ends = apply_grammar_masks(logits, [r.grammar for r in requests])
+        dead_ends = _apply_structure(logits, requests)
 
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -80,6 +81,32 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     _apply_allowed_token_ids(logits, requests)
     _apply_logit_bias(logits, requests)
     return logits
+
+
+def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """Grammar masks (outside thinking), then tokens a thinking budget forces. Returns the
+    rows left with no allowed token."""
+    # A budgeted reasoning model may open its thinking as its first token even when a
+    # grammar holds the answer: keep the start marker's logit through the grammar mask.
+    opening = [(i, r.thinking.spec.start_token_ids[0]) for i, r in enumerate(requests)
+               if r.thinking is not None and r.grammar_applies() and not r.thinking.ended
+               and r.num_output_tokens == 0 and r.thinking.spec.start_token_ids]
+    saved = [float(logits[i, t]) for i, t in opening]
+    dead = apply_grammar_masks(logits, [r.grammar if r.grammar_applies() else None
+                                        for r in requests])
+    for (i, t), value in zip(opening, saved, strict=True):
+        logits[i, t] = value
+    for i, r in enumerate(requests):
+        forced = r.thinking.forced_token() if r.thinking is not None else None
+        if forced is not None:
+            value = float(logits[i, forced])
+            logits[i] = _NEG_INF
+            logits[i, forced] = value if value != _NEG_INF else 0.0
+    if not dead:
+        return []
+    idx = torch.tensor(dead, device=logits.device)
+    alive = torch.isfinite(logits[idx]).any(dim=-1).tolist()
+    return [i for i, ok in zip(dead, alive, strict=True) if not ok]
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -47,6 +47,13 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY sequence breakers as token ids
     grammar: Any = None  # a GrammarState when params.structured_outputs is set
+    thinking: Any = None  # a ThinkingState when params.thinking_budget is set
+
+    def grammar_applies(self) -> bool:
+        """A grammar holds the output only outside thinking (a budgeted reasoning model's
+        thinking is free text)."""
+        return self.grammar is not None and (self.thinking is None
+                                             or not self.thinking.in_thinking)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
