@@ -158,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_logit_bias=args.max_logit_bias),
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
     return serve(engine_config, config)
 
@@ -182,6 +183,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true",
                    help="log every request (prompt, parameters, token counts, latency); "
                         "without it no prompt or output is ever logged")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "mistral", "qwen3_coder"],
+                   help="how tool calls are read from the output (auto: from the chat "
+                        "template; hermes when it shows no format)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                   help="split <think>...</think> into reasoning_content (auto: when the chat "
+                        "template uses <think>)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they end with an error")

@@ -9,11 +9,14 @@ from typing import Any
 
 from met.serving.errors import InvalidRequest
 from met.serving.protocol import ChatMessage
+from met.serving.tool_parsers import ToolParser
+from met.serving.tools import call_arguments, prepare_conversation
 
 # chat_template_kwargs may not override the arguments we pass ourselves.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "tools",
 })
 
 
@@ -56,25 +59,44 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": call_arguments(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidRequest(f"messages.{i}.tool_call_id: required for role 'tool'",
+                                     f"messages.{i}.tool_call_id")
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
         out.append(d)
     return out
 
 
 def render_chat(tokenizer: Any, template: str | None, messages: list[ChatMessage],
                 add_generation_prompt: bool = True,
-                template_kwargs: dict[str, Any] | None = None) -> Prompt:
-    """Apply the chat template (Jinja via transformers) and tokenize the result."""
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None,
+                tool_parser: ToolParser | None = None) -> Prompt:
+    """Apply the chat template (Jinja via transformers) and tokenize the result.
+
+    ``tools`` go to the template's ``tools`` variable; a template that never reads it gets
+    them as a system message in ``tool_parser``'s format instead, and tool history as text
+    (``met.serving.tools.prepare_conversation``)."""
     if tokenizer is None:
         raise InvalidRequest("messages: this model has no tokenizer; use /v1/completions with "
                              "token ids", "messages")
     if not template:
         raise InvalidRequest("messages: this model has no chat template; start the server with "
                              "--chat-template", "messages")
-    conv = message_dicts(messages)
+    conv, tools = prepare_conversation(template, message_dicts(messages), tools, tool_parser)
     kwargs = dict(template_kwargs or {})
     bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if bad:
         raise InvalidRequest(f"chat_template_kwargs: may not set {bad}", "chat_template_kwargs")
+    if tools:
+        kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
             conv, chat_template=template, add_generation_prompt=add_generation_prompt,

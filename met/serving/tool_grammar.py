@@ -19,6 +19,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from met.sampling.params import StructuredOutputs
+from met.serving.reasoning import ThinkParser
+from met.serving.tool_parsers import ToolParser
+from met.serving.tools import ToolRequest
 
 Thinking = Literal["none", "optional", "open"]
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -28,9 +31,16 @@ def _schema(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or _ANY_OBJECT
 
 
+def _content(schema: dict[str, Any], style: str = "json") -> dict[str, Any]:
+    # At most one whitespace character in a row: a small model allowed free whitespace can
+    # pad forever instead of closing the call.
+    return {"type": "json_schema", "json_schema": schema, "style": style,
+            "max_whitespace_cnt": 1}
+
+
 def _json_call(begin: str, name: str, key: str, schema: dict[str, Any], end: str) -> dict:
     return {"type": "tag", "begin": f'{begin}{{"name": {json.dumps(name)}, "{key}": ',
-            "content": {"type": "json_schema", "json_schema": schema}, "end": "}" + end}
+            "content": _content(schema), "end": "}" + end}
 
 
 def _call_tags(parser: str, tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -46,8 +56,7 @@ def _call_tags(parser: str, tools: Sequence[dict[str, Any]]) -> list[dict[str, A
             tags.append(_json_call("", name, "arguments", schema, ""))
         elif parser == "qwen3_coder":
             tags.append({"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
-                         "content": {"type": "json_schema", "json_schema": schema,
-                                     "style": "qwen_xml"},
+                         "content": _content(schema, "qwen_xml"),
                          "end": "\n</function>\n</tool_call>"})
         else:
             raise ValueError(f"tool grammar: unknown parser {parser!r}")
@@ -95,15 +104,16 @@ def tool_call_structural_tag(parser: str, tools: Sequence[dict[str, Any]], choic
         if not tools:
             raise ValueError(f"tool_choice: no tool named {choice!r}")
     fmt = _calls(parser, _call_tags(parser, tools), parallel)
-    ws = {"type": "regex", "pattern": "[ \\n]*"}
-    if thinking == "open":
-        think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}
-        fmt = {"type": "sequence", "elements": [think, ws, fmt]}
-    elif thinking == "optional":
-        think = {"type": "tag", "begin": "<think>", "content": {"type": "any_text"},
-                 "end": "</think>"}
-        fmt = {"type": "sequence", "elements": [{"type": "optional", "content": think}, ws,
-                                                fmt]}
+    if thinking != "none":
+        # The thinking, then at most two newlines (bounded: a small model allowed free
+        # whitespace can pad forever) before the calls.
+        think = {"type": "sequence", "elements": [
+            {"type": "tag", "begin": "" if thinking == "open" else "<think>",
+             "content": {"type": "any_text"}, "end": "</think>"},
+            {"type": "regex", "pattern": "\\n{0,2}"}]}
+        if thinking == "optional":
+            think = {"type": "optional", "content": think}
+        fmt = {"type": "sequence", "elements": [think, fmt]}
     return {"type": "structural_tag", "format": fmt}
 
 
@@ -125,3 +135,15 @@ def check_structural_tag(spec: dict[str, Any]) -> None:
         xgrammar.Grammar.from_structural_tag(json.dumps(spec))
     except Exception as e:  # xgrammar raises its own error types (and RuntimeErrors)
         raise ValueError(f"tools: cannot build the tool-call grammar: {e}") from None
+
+
+def request_tool_grammar(tool_req: ToolRequest, parser: ToolParser,
+                         reasoning: ThinkParser | None) -> StructuredOutputs | None:
+    """The grammar a chat request's tools call for (None when tools are off)."""
+    if not tool_req.active:
+        return None
+    thinking: Thinking = "none"
+    if reasoning is not None:
+        thinking = "open" if reasoning.starts_inside else "optional"
+    return tool_structured_outputs(parser.name, tool_req.tools, tool_req.choice,
+                                   tool_req.parallel, thinking)

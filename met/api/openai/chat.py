@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from met.api.context import read_json, server_context
+from met.api.context import ServerContext, read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
 from met.api.openai.logprobs import chat_logprobs
-from met.api.openai.structured import with_structured_outputs
+from met.api.openai.structured import compile_spec, with_structured_outputs
 from met.api.sse import SSEResponse
+from met.sampling.params import SamplingParams, StructuredOutputs
+from met.serving.chat_output import ChatDelta, ChoiceOutput
+from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceDelta, Generation
 from met.serving.prompts import render_chat
 from met.serving.protocol import ChatCompletionRequest, parse_body
+from met.serving.reasoning import get_reasoning_parser
+from met.serving.tool_grammar import request_tool_grammar
+from met.serving.tool_parsers import get_tool_parser
+from met.serving.tools import tool_request
 from met.serving.validation import (
     build_params,
     check_prompt_tokens,
@@ -40,12 +48,22 @@ async def chat_completions(request: Request) -> Response:
     max_tokens_param = "max_completion_tokens" if use_mct else "max_tokens"
     check_ranges(req, max_tokens, max_tokens_param)
     check_request_limits(req, max_tokens, model.limits.requests, max_tokens_param)
+    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+    tool_parser = get_tool_parser(ctx.config.tool_call_parser, model.chat_template, tools.tools)
+    template_kwargs = req.chat_template_kwargs
+    if req.enable_thinking is not None:
+        template_kwargs = {"enable_thinking": req.enable_thinking, **(template_kwargs or {})}
     prompt = render_chat(model.tokenizer, model.chat_template, req.messages,
-                         req.add_generation_prompt, req.chat_template_kwargs)
+                         req.add_generation_prompt, template_kwargs,
+                         list(tools.tools) if tools.active else None, tool_parser)
+    reasoning = get_reasoning_parser(ctx.config.reasoning_parser, model.chat_template,
+                                     prompt.text)
     check_prompt_tokens(prompt.token_ids, model.limits, "messages")
     params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
                           "messages", max_tokens_param, model.tokenizer)
     params, = await with_structured_outputs(ctx, req, [params])
+    params = await _with_tool_grammar(ctx, params, request_tool_grammar(tools, tool_parser,
+                                                                        reasoning), tools.choice)
     top = params.logprobs
 
     def logprobs(entries) -> dict | None:
@@ -53,31 +71,72 @@ async def chat_completions(request: Request) -> Response:
 
     ctx.check_queue()
     gen = ctx.new_generation(request, "chat", [prompt], [params], req.n, output_options(req))
+    outputs = [ChoiceOutput(reasoning, tool_parser if tools.active else None)
+               for _ in gen.choices]
     name = req.model or ctx.config.model_name
     cid = f"chatcmpl-{gen.request_id}"
     created = now()
     if req.stream:
-        return SSEResponse(_stream(gen, cid, created, name, req.include_usage, logprobs))
+        return SSEResponse(_stream(gen, cid, created, name, req.include_usage, logprobs,
+                                   outputs))
+
+    def on_delta(d: ChoiceDelta) -> None:
+        _feed(outputs[d.index], d, gen)
 
     def body(texts: list[str]) -> dict:
         return {
             "id": cid, "object": "chat.completion", "created": created, "model": name,
             "choices": [{
                 "index": c.index,
-                "message": {"role": "assistant", "content": texts[c.index], "refusal": None},
+                "message": outputs[c.index].message(),
                 "logprobs": logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": outputs[c.index].finish_reason(c.finish_reason),
                 "stop_reason": c.stop_reason,
             } for c in gen.choices],
-            "usage": usage(gen),
+            "usage": _usage(gen, outputs),
             "system_fingerprint": None,
         }
 
-    return await respond(request, gen, None, body)
+    return await respond(request, gen, None, body, on_delta)
+
+
+async def _with_tool_grammar(ctx: ServerContext, params: SamplingParams,
+                             spec: StructuredOutputs | None, choice: str) -> SamplingParams:
+    """Hold tool calls to their schemas (the request's own grammar, if any, wins for
+    tool_choice auto; required / named cannot be combined with one)."""
+    if spec is None:
+        return params
+    if params.structured_outputs is not None:
+        if choice == "auto":
+            return params  # the response_format / structured_outputs constraint rules
+        raise InvalidRequest("tool_choice: 'required' or a named tool cannot be combined with "
+                             "response_format / structured_outputs", "tool_choice")
+    await compile_spec(ctx, spec, "tools")
+    return dataclasses.replace(params, structured_outputs=spec)
+
+
+def _feed(out: ChoiceOutput, d: ChoiceDelta, gen: Generation) -> ChatDelta:
+    """The choice's reasoning / content / tool-call deltas for one engine delta."""
+    cd = out.feed(d.text, gen.choices[d.index].num_tokens)
+    if d.finish_reason is not None:
+        tail = out.finish()
+        cd.reasoning += tail.reasoning
+        cd.content += tail.content
+        cd.tool_calls += tail.tool_calls
+    return cd
+
+
+def _usage(gen: Generation, outputs: list[ChoiceOutput]) -> dict:
+    """OpenAI's usage, with the reasoning tokens when a reasoning parser is on."""
+    u = usage(gen)
+    if outputs and outputs[0].reasoning_enabled:
+        u["completion_tokens_details"] = {
+            "reasoning_tokens": sum(o.reasoning_tokens for o in outputs)}
+    return u
 
 
 def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: bool,
-            logprobs: Callable[[list], dict | None]):
+            logprobs: Callable[[list], dict | None], outputs: list[ChoiceOutput]):
     def chunk(choices: list[dict]) -> dict:
         out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
                "system_fingerprint": None, "choices": choices}
@@ -98,13 +157,22 @@ def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: b
 
     def on_delta(d: ChoiceDelta) -> list[dict]:
         out = []
-        if d.text or d.logprobs:
-            out.append(chunk([choice(d.index, {"content": d.text}, None, d.logprobs)]))
+        cd = _feed(outputs[d.index], d, gen)
+        delta = {}
+        if cd.reasoning:
+            delta["reasoning_content"] = cd.reasoning
+        if cd.content or (d.logprobs and not cd.reasoning):
+            delta["content"] = cd.content
+        if delta:
+            out.append(chunk([choice(d.index, delta, None, d.logprobs)]))
+        for tc in cd.tool_calls:
+            out.append(chunk([choice(d.index, {"tool_calls": [tc.to_openai()]})]))
         if d.finish_reason is not None:
-            out.append(chunk([choice(d.index, {}, d.finish_reason)]))
+            reason = outputs[d.index].finish_reason(d.finish_reason)
+            out.append(chunk([choice(d.index, {}, reason)]))
         return out
 
     def usage_chunk() -> dict:
-        return {**chunk([]), "usage": usage(gen)}
+        return {**chunk([]), "usage": _usage(gen, outputs)}
 
     return stream_events(gen, head, on_delta, usage_chunk if include_usage else None)

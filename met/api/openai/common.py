@@ -31,20 +31,25 @@ def now() -> int:
     return int(time.time())
 
 
-async def collect(gen: Generation, prefixes: list[str] | None = None) -> list[str]:
-    """Run the generation to the end; the full text of each choice."""
+async def collect(gen: Generation, prefixes: list[str] | None = None,
+                  on_delta: Callable[[ChoiceDelta], None] | None = None) -> list[str]:
+    """Run the generation to the end; the full text of each choice. ``on_delta`` sees each
+    delta as it comes (while the choice's token count is that of the delta)."""
     parts: list[list[str]] = [[p] for p in prefixes] if prefixes else [[] for _ in gen.choices]
     async with gen:
         async for d in gen.deltas():
             parts[d.index].append(d.text)
+            if on_delta is not None:
+                on_delta(d)
     return ["".join(p) for p in parts]
 
 
 async def respond(request: Request, gen: Generation, prefixes: list[str] | None,
-                  build: Callable[[list[str]], dict]) -> Response:
+                  build: Callable[[list[str]], dict],
+                  on_delta: Callable[[ChoiceDelta], None] | None = None) -> Response:
     """Non-stream: collect (aborting if the client leaves), then build the JSON body."""
     try:
-        texts = await until_disconnected(request, collect(gen, prefixes))
+        texts = await until_disconnected(request, collect(gen, prefixes, on_delta))
     except ClientDisconnected:
         return Response(status_code=499)
     except GenerationFailed as e:
