@@ -139,7 +139,9 @@ def check_structural_tag(spec: dict[str, Any]) -> None:
 
 def request_tool_grammar(tool_req: ToolRequest, parser: ToolParser,
                          reasoning: ThinkParser | None) -> StructuredOutputs | None:
-    """The grammar a chat request's tools call for (None when tools are off)."""
+    """The grammar a chat request's tools call for (None when tools are off). ``reasoning``
+    (the request's reasoning parser) lets thinking come first; pass None when the engine
+    keeps the grammar out of the thinking itself (a thinking budget)."""
     if not tool_req.active:
         return None
     thinking: Thinking = "none"

@@ -62,8 +62,10 @@ async def chat_completions(request: Request) -> Response:
     params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
                           "messages", max_tokens_param, model.tokenizer)
     params, = await with_structured_outputs(ctx, req, [params])
+    # With a thinking budget the engine pauses the grammar while thinking: hold only the answer.
+    thinking = reasoning if params.thinking_budget is None else None
     params = await _with_tool_grammar(ctx, params, request_tool_grammar(tools, tool_parser,
-                                                                        reasoning), tools.choice)
+                                                                        thinking), tools.choice)
     top = params.logprobs
 
     def logprobs(entries) -> dict | None:
