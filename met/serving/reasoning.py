@@ -28,6 +28,7 @@ class ThinkParser:
     """``<think>reasoning</think>answer``; ``starts_inside`` when the prompt opened it."""
 
     starts_inside: bool = False
+    closed_in_prompt: bool = False  # the template closed an empty block (thinking off)
     start: str = "<think>"
     end: str = "</think>"
 
@@ -119,4 +120,6 @@ def get_reasoning_parser(name: str | None, template: str | None,
     if name != "think":
         raise ValueError(f"--reasoning-parser: unknown parser {name!r}; expected one of "
                          f"{', '.join(REASONING_PARSER_CHOICES)}")
-    return ThinkParser(starts_inside=ThinkParser.prompt_opens_thinking(prompt_text))
+    closed = bool(prompt_text) and prompt_text.rstrip(_WS).endswith("</think>")
+    return ThinkParser(starts_inside=ThinkParser.prompt_opens_thinking(prompt_text),
+                       closed_in_prompt=closed)

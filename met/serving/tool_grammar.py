@@ -144,8 +144,8 @@ def request_tool_grammar(tool_req: ToolRequest, parser: ToolParser,
     keeps the grammar out of the thinking itself (a thinking budget)."""
     if not tool_req.active:
         return None
-    thinking: Thinking = "none"
-    if reasoning is not None:
+    thinking: Thinking = "none"  # also when the prompt closed the thinking (thinking off)
+    if reasoning is not None and not reasoning.closed_in_prompt:
         thinking = "open" if reasoning.starts_inside else "optional"
     return tool_structured_outputs(parser.name, tool_req.tools, tool_req.choice,
                                    tool_req.parallel, thinking)

@@ -52,7 +52,7 @@ Use <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 # Small on purpose: the tiny tokenizer spends about one token per character of JSON, and the
 # tiny model holds 512 positions.
 SCHEMA = {"type": "object", "properties": {
-    "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "maximum": 7}},
+    "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
     "required": ["city", "days"]}
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": SCHEMA}}
 TIME = {"type": "function", "function": {"name": "time", "parameters": {
@@ -233,3 +233,32 @@ def test_tool_message_without_tool_call_id_is_a_400(client):
         client.chat.completions.create(model="tiny", max_tokens=2, messages=USER + [
             {"role": "tool", "content": "x"}])
     assert e.value.body["param"] == "messages.1.tool_call_id"
+
+
+def test_every_choice_gets_its_own_calls(client):
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                       tool_choice="required", parallel_tool_calls=False, n=2,
+                                       temperature=1.0, seed=7, max_tokens=100,
+                                       extra_body={"enable_thinking": False})
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls"
+        _check_call(c.message.tool_calls[0], SCHEMA)
+    ids = [c.message.tool_calls[0].id for c in r.choices]
+    assert len(set(ids)) == 2
+
+
+def test_required_tools_and_a_response_format_do_not_mix(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=4,
+                                       response_format={"type": "json_object"})
+    assert e.value.body["param"] == "tool_choice"
+    # With auto, the response format rules: the output is a JSON object, no call is parsed.
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                       max_tokens=60, temperature=0,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"enable_thinking": False})
+    assert r.choices[0].message.tool_calls is None
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)

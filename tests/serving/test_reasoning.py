@@ -59,7 +59,7 @@ def test_prompt_that_opened_thinking_is_detected():
     p = get_reasoning_parser("auto", tmpl, "<|im_start|>assistant\n<think>\n")
     assert p is not None and p.starts_inside
     closed = get_reasoning_parser("auto", tmpl, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert closed is not None and not closed.starts_inside
+    assert closed is not None and not closed.starts_inside and closed.closed_in_prompt
     assert get_reasoning_parser("auto", "{{ messages }}", "x") is None
     assert get_reasoning_parser("none", tmpl, "x") is None
     assert select_reasoning_parser(tmpl) == "think"

@@ -133,3 +133,23 @@ def test_decoding_under_the_mask_always_gives_valid_calls(parser, compiler, toke
         assert content == "" and calls, text
         for c in calls:
             jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+
+
+def test_thinking_prefix_follows_the_prompt():
+    from met.serving.reasoning import ThinkParser
+    from met.serving.tool_grammar import request_tool_grammar
+    from met.serving.tools import tool_request
+
+    req = tool_request(TOOLS, "required", False)
+    parser = get_tool_parser("hermes", tools=TOOLS)
+
+    def spec(reasoning):
+        return json.loads(request_tool_grammar(req, parser, reasoning).structural_tag)
+
+    assert "</think>" not in json.dumps(spec(None))
+    assert "</think>" not in json.dumps(spec(ThinkParser(closed_in_prompt=True)))  # thinking off
+    opened = spec(ThinkParser(starts_inside=True))["format"]["elements"][0]
+    assert opened["elements"][0]["begin"] == "" and opened["elements"][0]["end"] == "</think>"
+    optional = spec(ThinkParser())["format"]["elements"][0]
+    assert optional["type"] == "optional"
+    assert not request_tool_grammar(tool_request(TOOLS, "none", True), parser, None)
