@@ -76,7 +76,6 @@ class ToolParser(ABC):
 
     name: ClassVar[str]
     start_tags: ClassVar[tuple[str, ...]]  # text that starts the call region
-    needs_special_tokens: ClassVar[bool] = False  # its tags are special tokens
 
     def __init__(self, tools: Sequence[dict[str, Any]] | None = None):
         self.tools = list(tools or [])

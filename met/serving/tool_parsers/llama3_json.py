@@ -24,7 +24,6 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     start_tags = (PYTHON_TAG,)
-    needs_special_tokens = True  # <|python_tag|> is a special token
 
     def scan(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
         tag = text.find(PYTHON_TAG)

@@ -28,7 +28,6 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 class MistralToolParser(ToolParser):
     name = "mistral"
     start_tags = (TOOL_CALLS,)
-    needs_special_tokens = True  # [TOOL_CALLS] is a control token
 
     def scan(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
         tag = text.find(TOOL_CALLS)
