@@ -44,6 +44,7 @@ CASES = [
      [("get_weather", {"city": "A"}), ("get_weather", {"city": "B", "days": 1})]),
     ("llama3_json", "The answer is {not a call}.", "The answer is {not a call}.", []),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", '{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
     ("llama3_json", 'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "X"}}',
      "Sure.", [("get_weather", {"city": "X"})]),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '

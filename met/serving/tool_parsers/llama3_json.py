@@ -1,6 +1,7 @@
 """``llama3_json``: Llama 3.x JSON calls, ``{"name": ..., "parameters": {...}}`` (or
 ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``. Without the
-tag, an output is a call only when it starts with ``{``."""
+tag, an output is a call only when it starts with ``{``; given the request's tools, an object
+is a call only when it names one of them (otherwise it is a JSON answer)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ class Llama3JsonToolParser(ToolParser):
             scan = scan_object(text, i, final)
             if scan.end is None:  # incomplete (or malformed)
                 call = call_from_object(text, scan, False) if scan.ok else None
+                if call is not None and self._unknown(call):
+                    break
                 if call is not None and call.name is not None:
                     calls.append(call)
                     return join_content([head, ""], len(calls), not final), calls
@@ -55,7 +58,7 @@ class Llama3JsonToolParser(ToolParser):
                     return join_content([head], len(calls), True), calls
                 break
             call = call_from_object(text, scan, True)
-            if call is None:
+            if call is None or self._unknown(call):
                 break
             calls.append(call)
             i = skip_ws(text, scan.end)
@@ -68,6 +71,12 @@ class Llama3JsonToolParser(ToolParser):
             return join_content([head, text[i:]], len(calls), not final), calls
         # Not a well-formed call list: everything is content.
         return join_content([text], 0, not final), []
+
+    def _unknown(self, call: ParsedCall) -> bool:
+        """A bare JSON object is only a call when it names one of the request's tools (it
+        may just be a JSON answer); without tools, any name counts."""
+        names = {t.get("function", t).get("name") for t in self.tools}
+        return bool(names) and call.name is not None and call.name not in names
 
     def format_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         return PYTHON_TAG + "; ".join(
