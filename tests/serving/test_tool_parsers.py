@@ -187,3 +187,9 @@ def test_formatted_calls_parse_back(name):
     calls = [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]
     _, parsed = parser.parse(parser.format_calls(calls))
     assert _calls(parsed) == calls
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "qwen3_coder"])
+def test_history_calls_with_non_object_arguments_still_render(name):
+    text = get_tool_parser(name, tools=TOOLS).format_calls([("get_weather", "not json")])
+    assert "get_weather" in text and "not json" in text

@@ -113,9 +113,11 @@ class Qwen3CoderToolParser(ToolParser):
     def format_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         out = []
         for name, args in calls:
+            if not isinstance(args, dict):  # arguments that were not a JSON object
+                args = {"arguments": args}
             params = "".join(
                 f"{PARAM}{k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                f"\n{PARAM_END}\n" for k, v in (args or {}).items())
+                f"\n{PARAM_END}\n" for k, v in args.items())
             out.append(f"{TOOL_CALL}\n{FUNCTION}{name}>\n{params}{FUNCTION_END}\n{TOOL_CALL_END}")
         return "\n".join(out)
 
