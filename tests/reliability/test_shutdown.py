@@ -34,6 +34,7 @@ def server(ckpt):
     proc.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_short_requests_errors_long_ones_and_exits_0(server):
     # Both run at once (9 seats): the short one needs a few more steps after the signal,
     # the long one hundreds, far more than the shutdown timeout allows on any machine.
