@@ -157,8 +157,37 @@ _hostile_message = st.fixed_dictionaries(
 CHAT_REQUIRED = {"messages": _maybe(
     st.lists(_valid_message, min_size=1, max_size=3),
     st.lists(st.one_of(_valid_message, _hostile_message), max_size=3))}
+_name = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
+_json_schema = st.fixed_dictionaries(
+    {"type": st.just("object"),
+     "properties": st.dictionaries(_name, st.fixed_dictionaries(
+         {"type": st.sampled_from(["string", "integer", "boolean", "number"])}), max_size=3)})
+_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": _name}, optional={"description": _text, "parameters": _json_schema})})
+_hostile_tool = st.fixed_dictionaries(
+    {"type": st.just("function") | _any_json,
+     "function": st.fixed_dictionaries({"name": _name | _any_json},
+                                       optional={"parameters": _any_json}) | _any_json})
+STRUCTURED = {
+    "tools": _maybe(st.lists(_tool, min_size=1, max_size=2),
+                    st.lists(_hostile_tool, max_size=2)),
+    "tool_choice": _maybe(st.sampled_from(["auto", "none", "required"]),
+                          st.fixed_dictionaries({"type": st.just("function"),
+                                                 "function": st.fixed_dictionaries(
+                                                     {"name": _name})})),
+    "response_format": _maybe(
+        st.just({"type": "text"}) | st.just({"type": "json_object"})
+        | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                 st.fixed_dictionaries({"name": _name,
+                                                        "schema": _json_schema})}),
+        st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "bogus"]),
+                               "json_schema": st.fixed_dictionaries(
+                                   {"name": _name, "schema": _any_json})})),
+}
+
 CHAT_FIELDS = {
     **SAMPLING,
+    **STRUCTURED,
     "max_completion_tokens": _maybe(st.integers(1, 8), st.integers(-2, 2**40)),
     "logprobs": _maybe(st.booleans()),
     "top_logprobs": _maybe(st.integers(0, 20), st.integers(-1, 1000)),
@@ -178,6 +207,7 @@ COMPLETION_FIELDS = {
     "echo": _maybe(st.booleans()),
     "logprobs": _maybe(st.integers(0, 5), st.integers(-1, 1000)),
     "prompt_logprobs": _maybe(st.integers(0, 5), st.integers(-1, 1000)),
+    "response_format": STRUCTURED["response_format"],
 }
 
 
