@@ -145,6 +145,8 @@ async def stream_request(client: httpx.AsyncClient, target: Target, body: dict[s
                     done = True
                     break
                 payload = json.loads(data)
+                if not isinstance(payload, dict):
+                    continue
                 if "error" in payload:
                     result.error = f"error event: {_error_message(payload)}"
                     return result

@@ -106,7 +106,8 @@ async def run(ctx: GateContext, cfg: StructuredConfig) -> GateOutcome:
                             "finish_reason": r.finish_reason, "why": why,
                             "text": r.text[:300]})
     metrics = {"requests": cfg.requests, "valid": cfg.requests - len(invalid) - len(errors),
-               "invalid": invalid[:10], "errors": errors[:10]}
+               "invalid": invalid[:10], "errors": errors[:10],
+               "examples": [r.text[:300] for r in results[:len(SCHEMAS)] if r.ok]}
     return GateOutcome(metrics=metrics, checks=[
         Check.of("errors", len(errors), "==", 0),
         Check.of("invalid_outputs", len(invalid), "==", 0)])
