@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from met.bench.runner import GateRun, run_gate
+from met.bench.server import ManagedServer
 from met.cli import main
 
 SERVE = '[serve]\ndtype = "float32"\nmax-model-len = 256\n'
@@ -91,3 +93,19 @@ def test_structured_validity_on_the_tiny_model(model, tmp_path):
         pytest.skip(f"the server rejects response_format: {pre}")
     assert data["verdict"] == "PASS", data["reason"] + json.dumps(data["metrics"])[:2000]
     assert data["metrics"]["valid"] == 6
+
+
+def test_the_gate_server_is_stopped_even_when_the_gate_fails(model):
+    server = ManagedServer(model, {"dtype": "float32", "max-model-len": 256})
+    with pytest.raises(RuntimeError, match="boom"), server:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        raise RuntimeError("boom")
+    assert server.proc is not None and server.proc.poll() is not None
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(model):
+    server = ManagedServer(model, {"max-model-len": "lots"})
+    with pytest.raises(RuntimeError, match=r"met serve exited \(2\)[\s\S]*max-model-len"):
+        with server:
+            pass
+    assert server.proc is not None and server.proc.poll() is not None
