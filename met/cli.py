@@ -159,6 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        max_thinking_budget=args.max_thinking_budget,
     )
     return serve(engine_config, config)
 
@@ -190,6 +191,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
                    help="split <think>...</think> into reasoning_content (auto: when the chat "
                         "template uses <think>)")
+    p.add_argument("--max-thinking-budget", type=int, default=None,
+                   help="cap on thinking tokens for every request of a <think> model (also the "
+                        "scale of reasoning_effort low/medium/high = 1/4, 1/2, all; default "
+                        "16384 for reasoning_effort, no cap otherwise)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they end with an error")

@@ -50,6 +50,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     tool_call_parser: str = "auto"  # --tool-call-parser (auto: from the chat template)
     reasoning_parser: str = "auto"  # --reasoning-parser (auto: think if the template has it)
+    max_thinking_budget: int | None = None  # --max-thinking-budget (reasoning_effort's scale)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_PARSER_CHOICES:

@@ -152,6 +152,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or named
     parallel_tool_calls: bool | None = None
     enable_thinking: bool | None = None  # → chat_template_kwargs (templates that support it)
+    thinking_token_budget: int | None = None
+    max_thinking_tokens: int | None = None  # alias of thinking_token_budget
+    thinking_budget: int | None = None  # alias of thinking_token_budget
+    reasoning_effort: str | None = None  # low / medium / high of --max-thinking-budget
 
 
 class CompletionRequest(SamplingFields):

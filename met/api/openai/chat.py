@@ -20,6 +20,7 @@ from met.serving.generate import ChoiceDelta, Generation
 from met.serving.prompts import render_chat
 from met.serving.protocol import ChatCompletionRequest, parse_body
 from met.serving.reasoning import get_reasoning_parser
+from met.serving.thinking_request import with_thinking_budget
 from met.serving.tool_grammar import request_tool_grammar
 from met.serving.tool_parsers import get_tool_parser
 from met.serving.tools import tool_request
@@ -62,6 +63,8 @@ async def chat_completions(request: Request) -> Response:
     params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
                           "messages", max_tokens_param, model.tokenizer)
     params, = await with_structured_outputs(ctx, req, [params])
+    params = with_thinking_budget(params, req, ctx.config.max_thinking_budget, model.tokenizer,
+                                  reasoning)
     # With a thinking budget the engine pauses the grammar while thinking: hold only the answer.
     thinking = reasoning if params.thinking_budget is None else None
     params = await _with_tool_grammar(ctx, params, request_tool_grammar(tools, tool_parser,
