@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from met.api.context import ServerContext, read_json, server_context
+from met.api.context import ModelInfo, ServerContext, read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
 from met.api.openai.logprobs import chat_logprobs
 from met.api.openai.structured import compile_spec, with_structured_outputs
@@ -17,13 +18,13 @@ from met.sampling.params import SamplingParams, StructuredOutputs
 from met.serving.chat_output import ChatDelta, ChoiceOutput
 from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceDelta, Generation
-from met.serving.prompts import render_chat
+from met.serving.prompts import Prompt, render_chat
 from met.serving.protocol import ChatCompletionRequest, parse_body
-from met.serving.reasoning import get_reasoning_parser
+from met.serving.reasoning import ThinkParser, get_reasoning_parser
 from met.serving.thinking_request import with_thinking_budget
 from met.serving.tool_grammar import request_tool_grammar
-from met.serving.tool_parsers import get_tool_parser
-from met.serving.tools import tool_request
+from met.serving.tool_parsers import ToolParser, get_tool_parser
+from met.serving.tools import ToolRequest, tool_request
 from met.serving.validation import (
     build_params,
     check_prompt_tokens,
@@ -43,41 +44,12 @@ async def chat_completions(request: Request) -> Response:
     ctx = server_context(request)
     model = ctx.require_model()
     req = parse_body(ChatCompletionRequest, await read_json(request, ctx.config.max_body_bytes))
-    ctx.check_model_name(req.model)
-    use_mct = req.max_completion_tokens is not None
-    max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
-    max_tokens_param = "max_completion_tokens" if use_mct else "max_tokens"
-    check_ranges(req, max_tokens, max_tokens_param)
-    check_request_limits(req, max_tokens, model.limits.requests, max_tokens_param)
-    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
-    tool_parser = get_tool_parser(ctx.config.tool_call_parser, model.chat_template, tools.tools)
-    template_kwargs = req.chat_template_kwargs
-    if req.enable_thinking is not None:
-        template_kwargs = {"enable_thinking": req.enable_thinking, **(template_kwargs or {})}
-    prompt = render_chat(model.tokenizer, model.chat_template, req.messages,
-                         req.add_generation_prompt, template_kwargs,
-                         list(tools.tools) if tools.active else None, tool_parser)
-    reasoning = get_reasoning_parser(ctx.config.reasoning_parser, model.chat_template,
-                                     prompt.text)
-    check_prompt_tokens(prompt.token_ids, model.limits, "messages")
-    params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
-                          "messages", max_tokens_param, model.tokenizer)
-    params, = await with_structured_outputs(ctx, req, [params])
-    params = with_thinking_budget(params, req, ctx.config.max_thinking_budget, model.tokenizer,
-                                  reasoning)
-    # With a thinking budget the engine pauses the grammar while thinking: hold only the answer.
-    thinking = reasoning if params.thinking_budget is None else None
-    params = await _with_tool_grammar(ctx, params, request_tool_grammar(tools, tool_parser,
-                                                                        thinking), tools.choice)
-    top = params.logprobs
+    run = await start_chat(ctx, request, req)
+    gen, outputs, top = run.gen, run.outputs, run.top_logprobs
 
     def logprobs(entries) -> dict | None:
         return None if top is None else chat_logprobs(model.tokenizer, entries, top)
 
-    ctx.check_queue()
-    gen = ctx.new_generation(request, "chat", [prompt], [params], req.n, output_options(req))
-    outputs = [ChoiceOutput(reasoning, tool_parser if tools.active else None)
-               for _ in gen.choices]
     name = req.model or ctx.config.model_name
     cid = f"chatcmpl-{gen.request_id}"
     created = now()
@@ -86,7 +58,7 @@ async def chat_completions(request: Request) -> Response:
                                    outputs))
 
     def on_delta(d: ChoiceDelta) -> None:
-        _feed(outputs[d.index], d, gen)
+        feed_choice(outputs[d.index], d, gen)
 
     def body(texts: list[str]) -> dict:
         return {
@@ -105,6 +77,72 @@ async def chat_completions(request: Request) -> Response:
     return await respond(request, gen, None, body, on_delta)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request rendered: its prompt, tools, tool-call parser and reasoning parser."""
+
+    prompt: Prompt
+    tools: ToolRequest
+    tool_parser: ToolParser
+    reasoning: ThinkParser | None
+
+
+def render_chat_request(ctx: ServerContext, model: ModelInfo,
+                        req: ChatCompletionRequest) -> ChatPrompt:
+    """The request's messages and tools through the chat template (400s name the field)."""
+    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+    tool_parser = get_tool_parser(ctx.config.tool_call_parser, model.chat_template, tools.tools)
+    template_kwargs = req.chat_template_kwargs
+    if req.enable_thinking is not None:
+        template_kwargs = {"enable_thinking": req.enable_thinking, **(template_kwargs or {})}
+    prompt = render_chat(model.tokenizer, model.chat_template, req.messages,
+                         req.add_generation_prompt, template_kwargs,
+                         list(tools.tools) if tools.active else None, tool_parser)
+    reasoning = get_reasoning_parser(ctx.config.reasoning_parser, model.chat_template,
+                                     prompt.text)
+    check_prompt_tokens(prompt.token_ids, model.limits, "messages")
+    return ChatPrompt(prompt, tools, tool_parser, reasoning)
+
+
+@dataclass
+class ChatRun:
+    """A validated, admitted chat request: its generation and each choice's output."""
+
+    gen: Generation
+    outputs: list[ChoiceOutput]
+    top_logprobs: int | None
+
+
+async def start_chat(ctx: ServerContext, request: Request,
+                     req: ChatCompletionRequest) -> ChatRun:
+    """Validate ``req``, render it, build its sampling params (grammar, thinking budget,
+    tool grammar) and admit it: the Generation to run (``async with``) and its outputs."""
+    model = ctx.require_model()
+    ctx.check_model_name(req.model)
+    use_mct = req.max_completion_tokens is not None
+    max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
+    max_tokens_param = "max_completion_tokens" if use_mct else "max_tokens"
+    check_ranges(req, max_tokens, max_tokens_param)
+    check_request_limits(req, max_tokens, model.limits.requests, max_tokens_param)
+    chat = render_chat_request(ctx, model, req)
+    prompt, tools, tool_parser, reasoning = (chat.prompt, chat.tools, chat.tool_parser,
+                                             chat.reasoning)
+    params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
+                          "messages", max_tokens_param, model.tokenizer)
+    params, = await with_structured_outputs(ctx, req, [params])
+    params = with_thinking_budget(params, req, ctx.config.max_thinking_budget, model.tokenizer,
+                                  reasoning)
+    # With a thinking budget the engine pauses the grammar while thinking: hold only the answer.
+    thinking = reasoning if params.thinking_budget is None else None
+    params = await _with_tool_grammar(ctx, params, request_tool_grammar(tools, tool_parser,
+                                                                        thinking), tools.choice)
+    ctx.check_queue()
+    gen = ctx.new_generation(request, "chat", [prompt], [params], req.n, output_options(req))
+    outputs = [ChoiceOutput(reasoning, tool_parser if tools.active else None)
+               for _ in gen.choices]
+    return ChatRun(gen, outputs, params.logprobs)
+
+
 async def _with_tool_grammar(ctx: ServerContext, params: SamplingParams,
                              spec: StructuredOutputs | None, choice: str) -> SamplingParams:
     """Hold tool calls to their schemas (the request's own grammar, if any, wins for
@@ -120,7 +158,7 @@ async def _with_tool_grammar(ctx: ServerContext, params: SamplingParams,
     return dataclasses.replace(params, structured_outputs=spec)
 
 
-def _feed(out: ChoiceOutput, d: ChoiceDelta, gen: Generation) -> ChatDelta:
+def feed_choice(out: ChoiceOutput, d: ChoiceDelta, gen: Generation) -> ChatDelta:
     """The choice's reasoning / content / tool-call deltas for one engine delta."""
     cd = out.feed(d.text, gen.choices[d.index].num_tokens)
     if d.finish_reason is not None:
@@ -162,7 +200,7 @@ def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: b
 
     def on_delta(d: ChoiceDelta) -> list[dict]:
         out = []
-        cd = _feed(outputs[d.index], d, gen)
+        cd = feed_choice(outputs[d.index], d, gen)
         delta = {}
         if cd.reasoning:
             delta["reasoning_content"] = cd.reasoning

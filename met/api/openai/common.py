@@ -46,42 +46,59 @@ async def collect(gen: Generation, prefixes: list[str] | None = None,
 
 async def respond(request: Request, gen: Generation, prefixes: list[str] | None,
                   build: Callable[[list[str]], dict],
-                  on_delta: Callable[[ChoiceDelta], None] | None = None) -> Response:
-    """Non-stream: collect (aborting if the client leaves), then build the JSON body."""
+                  on_delta: Callable[[ChoiceDelta], None] | None = None,
+                  on_error: Callable[..., Response] = error_response) -> Response:
+    """Non-stream: collect (aborting if the client leaves), then build the JSON body.
+    ``on_error(status, message, param, code)`` answers a failed generation (another API's
+    error shape)."""
     try:
         texts = await until_disconnected(request, collect(gen, prefixes, on_delta))
     except ClientDisconnected:
         return Response(status_code=499)
     except GenerationFailed as e:
         status = 400 if e.is_client_error else 500
-        return error_response(status, e.message, None, None if status == 400 else "engine_error")
+        return on_error(status, e.message, None, None if status == 400 else "engine_error")
     return JSONResponse(build(texts))
+
+
+def _openai_error_events(status: int, message: str, code: str) -> list[dict]:
+    return [error_body(status, message, None, None if status == 400 else code)]
 
 
 async def stream_events(gen: Generation, head: Callable[[], list[dict]],
                         delta_chunk: Callable[[ChoiceDelta], list[dict]],
-                        usage_chunk: Callable[[], dict] | None) -> AsyncIterator[str]:
+                        usage_chunk: Callable[[], dict] | None, *,
+                        encode: Callable[[dict], str] = sse_data,
+                        error_events: Callable[[int, str, str], list[dict]] | None = None,
+                        done: str | None = DONE) -> AsyncIterator[str]:
     """The SSE body: ``head`` chunks, one or more chunks per delta, the usage chunk, [DONE].
+
+    Other APIs' streams change how each event is written (``encode``), the error event
+    (``error_events(status, message, code)``) and the end marker (``done``, None for none).
 
     A failure after the stream has started becomes an error event, then [DONE]: the client
     never sees a dropped connection. A disconnect cancels this generator, and leaving the
     ``async with`` aborts the engine requests.
     """
+    errors = error_events or _openai_error_events
     try:
         async with gen:
             for chunk in head():
-                yield sse_data(chunk)
+                yield encode(chunk)
             async for d in gen.deltas():
                 for chunk in delta_chunk(d):
-                    yield sse_data(chunk)
+                    yield encode(chunk)
             if usage_chunk is not None:
-                yield sse_data(usage_chunk())
+                yield encode(usage_chunk())
     except GenerationFailed as e:
         log.warning("request %s failed mid-stream: %s", gen.request_id, e.message)
         status = 400 if e.is_client_error else 500
-        yield sse_data(error_body(status, e.message, None,
-                                  None if status == 400 else "engine_error"))
+        for event in errors(status, e.message, "invalid_request" if status == 400
+                            else "engine_error"):
+            yield encode(event)
     except Exception as e:  # a bug of ours: still end the stream properly
         log.exception("request %s: stream failed", gen.request_id)
-        yield sse_data(error_body(500, f"internal error: {e}", None, "internal_error"))
-    yield DONE
+        for event in errors(500, f"internal error: {e}", "internal_error"):
+            yield encode(event)
+    if done is not None:
+        yield done
