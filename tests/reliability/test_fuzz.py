@@ -55,25 +55,51 @@ def check_response(status: int, content_type: str, body: bytes) -> None:
 
 # ---------------------------------------------------------------- schemathesis
 
-@pytest.fixture(scope="module")
-def api_schema(server):
+def _schema(server, coverage: bool):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     schema.config.generation.update(
         modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
         max_examples=SCHEMA_EXAMPLES)
+    # The coverage phase adds hundreds of boundary cases per operation (every field at and
+    # past its limits): thorough, about a minute here, so only in the slow run.
+    schema.config.phases.update(
+        phases=["examples", "fuzzing", "coverage"] if coverage else ["examples", "fuzzing"])
     return schema
 
 
-schema = schemathesis.pytest.from_fixture("api_schema")
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return _schema(server, coverage=False)
 
 
-@schema.parametrize()
-@settings(max_examples=SCHEMA_EXAMPLES, deadline=None,
-          suppress_health_check=list(HealthCheck))
-def test_openapi_operations_never_5xx_and_4xx_are_openai_shaped(case):
+@pytest.fixture(scope="module")
+def api_schema_with_coverage(server):
+    return _schema(server, coverage=True)
+
+
+def _call_and_check(case) -> None:
     response = case.call(timeout=ANSWER_TIMEOUT_S)
     content_type = response.headers.get("content-type") or [""]  # schemathesis: lists
     check_response(response.status_code, content_type[0], response.content)
+
+
+quick_schema = schemathesis.pytest.from_fixture("api_schema")
+full_schema = schemathesis.pytest.from_fixture("api_schema_with_coverage")
+
+
+@quick_schema.parametrize()
+@settings(max_examples=SCHEMA_EXAMPLES, deadline=None,
+          suppress_health_check=list(HealthCheck))
+def test_openapi_operations_never_5xx_and_4xx_are_openai_shaped(case):
+    _call_and_check(case)
+
+
+@pytest.mark.slow
+@full_schema.parametrize()
+@settings(max_examples=SCHEMA_EXAMPLES, deadline=None,
+          suppress_health_check=list(HealthCheck))
+def test_openapi_boundary_cases_never_5xx_and_4xx_are_openai_shaped(case):
+    _call_and_check(case)
 
 
 # ---------------------------------------------------------------- hypothesis bodies
