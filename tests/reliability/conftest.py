@@ -57,7 +57,6 @@ class InProcessServer:
         self.app = build_app(config, self.engine)
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, host="127.0.0.1", port=0, log_config=None, lifespan="on"))
-        self.server.install_signal_handlers = False  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.url = ""
 
