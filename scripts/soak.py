@@ -20,6 +20,7 @@ import ipaddress
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -265,6 +266,19 @@ def print_report(report: Report, leaked: float, minutes: float) -> bool:
     return clean
 
 
+def run_schemathesis(args: argparse.Namespace) -> int:
+    """schemathesis over the server's /openapi.json (every phase, positive and negative
+    cases), failing only on 5xx; its exit status (0: no server error found)."""
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", args.url + "/openapi.json",
+           "--max-examples", str(args.fuzz_examples), "--checks", "not_a_server_error",
+           "--request-timeout", str(args.request_timeout), "--max-time",
+           str(int(args.fuzz_minutes * 60))]
+    print("\nschemathesis:", " ".join(cmd[1:]))  # before the key joins the command
+    if args.api_key:
+        cmd += ["--header", f"Authorization: Bearer {args.api_key}"]
+    return subprocess.run(cmd, check=False).returncode
+
+
 def _loopback(url: str) -> bool:
     host = urlparse(url).hostname or ""
     if host == "localhost":
@@ -288,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--fuzz-examples", type=int, default=0,
+                   help="after the load, run schemathesis with this many cases per operation "
+                        "(0: skip)")
+    p.add_argument("--fuzz-minutes", type=float, default=5.0,
+                   help="time budget of the schemathesis run")
     args = p.parse_args(argv)
     if not _loopback(args.url):
         p.error(f"--url: {args.url} is not a loopback address; the soak runs on this machine")
@@ -295,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--minutes must be in (0, 1440] and --concurrency in [1, 1024]")
     report, leaked = asyncio.run(soak(args))
     clean = print_report(report, leaked, args.minutes)
+    if args.fuzz_examples > 0:
+        fuzz_rc = run_schemathesis(args)
+        print("schemathesis:", "no server error" if fuzz_rc == 0 else f"FAILED ({fuzz_rc})")
+        clean = clean and fuzz_rc == 0
     if args.json is not None:
         args.json.write_text(json.dumps({
             "minutes": args.minutes, "concurrency": args.concurrency, "clean": clean,

@@ -246,13 +246,15 @@ class AsyncEngine:
             self._post(failed)
             if not core.has_unfinished():
                 continue
-            # A request that fails on its own (its grammar hit a dead end) comes back as an
-            # update with ``error``. A step that raises instead leaves the core half-updated
-            # (tokens counted as computed but not sampled, KV written for blocks the prefix
-            # cache already published), so it cannot be trusted with another step: the
-            # exception reaches _run, which marks the engine faulted and fails every stream.
+            # A request that fails on its own comes back as an update with ``error``: its
+            # constraints left no token (a grammar that its allowed_token_ids, bad_words or
+            # min_tokens make impossible), so it is the request's fault (a 400), and no
+            # other request is touched. A step that raises instead leaves the core
+            # half-updated (tokens counted as computed but not sampled, KV written for
+            # blocks the prefix cache already published), so it cannot be trusted with
+            # another step: the exception reaches _run, which faults the engine.
             updates: list[StreamItem] = [
-                RequestFailed(u.request_id, u.error, False) if u.error else u
+                RequestFailed(u.request_id, u.error, True) if u.error else u
                 for u in core.step()]
             self._publish(core)
             self._post(updates)

@@ -108,11 +108,12 @@ def test_sdk_raises_bad_request_for_an_invalid_schema(client):
 
 def test_dead_end_is_an_error_not_a_hang(http):
     """The grammar needs 'zzz' but allowed_token_ids forbids it: the request fails with a
-    500 naming the dead end (and a stream gets an error event), the server keeps serving."""
+    400 naming the dead end (its own constraints conflict; a stream gets an error event),
+    the server keeps serving."""
     body = {"model": "tiny", "prompt": "x", "max_tokens": 5,
             "structured_outputs": {"choice": ["zzz"]}, "allowed_token_ids": [5]}
     r = http.post("/v1/completions", json=body)
-    assert r.status_code == 500 and "dead end" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "dead end" in r.json()["error"]["message"], r.text
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
         events = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert any("dead end" in e and '"error"' in e for e in events), events

@@ -178,3 +178,24 @@ def test_engine_fault_while_requests_wait_in_the_queue(in_process_server, monkey
         else:
             assert r.status_code == 500
     assert httpx.get(server.url + "/health").json()["status"] == "faulted"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_that_leave_no_token_are_the_requests_fault(in_process_server, stream):
+    """Found by schemathesis: a grammar that the request's own allowed_token_ids make
+    impossible dead-ends mid-generation. That is a 400 (an invalid_request_error event when
+    streaming), not a server error, and the engine goes on serving."""
+    server = in_process_server()
+    body = {**BODY, "guided_regex": "\u00a4\u00dc", "allowed_token_ids": [5],
+            "stream": stream}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT)
+    if stream:
+        assert r.status_code == 200
+        error = stream_result(r)[2]
+        assert error is not None and "dead end" in error["message"]
+        assert_openai_error({"error": error}, 400)
+    else:
+        assert r.status_code == 400, r.text
+        assert "dead end" in assert_openai_error(r.json(), 400)["message"]
+    ok = httpx.post(server.url + "/v1/completions", json=BODY, timeout=CLIENT_TIMEOUT)
+    assert ok.status_code == 200
