@@ -160,6 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_thinking_budget=args.max_thinking_budget,
+        responses_store_max=args.responses_store_max,
+        responses_store_ttl=args.responses_store_ttl,
     )
     return serve(engine_config, config)
 
@@ -171,7 +173,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the name clients use in 'model' (repeatable; default: the MODEL "
                         "argument)")
     p.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' (repeatable; default $MET_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (repeatable; "
+                        "default $MET_API_KEY)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template (a file or the text) instead of the model's")
     p.add_argument("--request-timeout", type=float, default=300.0,
@@ -195,6 +198,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="cap on thinking tokens for every request of a <think> model (also the "
                         "scale of reasoning_effort low/medium/high = 1/4, 1/2, all; default "
                         "16384 for reasoning_effort, no cap otherwise)")
+    p.add_argument("--responses-store-max", type=int, default=1000,
+                   help="most /v1/responses results kept for GET and previous_response_id "
+                        "(oldest dropped first; 0 = store none)")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored /v1/responses result is kept")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they end with an error")

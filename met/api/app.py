@@ -15,22 +15,26 @@ from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import met
+from met.api.anthropic import messages as anthropic_messages
 from met.api.auth import ApiKeyMiddleware
 from met.api.context import ServerConfig, ServerContext
 from met.api.errors import error_body, install_error_handlers
-from met.api.openai import chat, completions, models
+from met.api.openai import chat, completions, models, responses
 from met.api.routes import router as server_router
 from met.engine.async_engine import AsyncEngine, EngineState
+from met.serving.anthropic_protocol import CountTokensRequest, MessagesRequest
 from met.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from met.serving.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("met.api")
 
-_BODY_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+_BODY_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
+                MessagesRequest, CountTokensRequest, ResponsesRequest)
 
 
 class RequestIdMiddleware:
@@ -94,7 +98,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine,
                   docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for router in (chat.router, completions.router, models.router, server_router):
+    for router in (chat.router, completions.router, models.router, responses.router,
+                   anthropic_messages.router, server_router):
         app.include_router(router)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: 401s get an id too

@@ -1,4 +1,5 @@
-"""API keys: ``Authorization: Bearer KEY`` on every route except the open ones."""
+"""API keys: ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on every
+route except the open ones."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from met.api.anthropic.errors import ANTHROPIC_PATH_PREFIX
+from met.api.anthropic.errors import error_body as anthropic_error_body
 from met.api.errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -21,8 +24,18 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
     return ok
 
 
+def presented_key(headers: dict[bytes, bytes]) -> str | None:
+    """The key a request presents: ``Authorization: Bearer KEY``, else ``x-api-key``."""
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+    return key or None
+
+
 class ApiKeyMiddleware:
-    """Rejects requests without a valid key with OpenAI's 401 body (pure ASGI: no buffering)."""
+    """Rejects requests without a valid key with a 401 (pure ASGI: no buffering), in
+    Anthropic's shape on its routes and OpenAI's elsewhere."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]):
         self.app = app
@@ -33,14 +46,18 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and key_matches(token.strip(), self.keys):
+        key = presented_key(headers)
+        if key is not None and key_matches(key, self.keys):
             await self.app(scope, receive, send)
             return
-        message = ("missing API key: send 'Authorization: Bearer YOUR_KEY'" if not auth
-                   else "incorrect API key provided")
-        body = json.dumps(error_body(401, message, None, "invalid_api_key")).encode()
+        given = b"authorization" in headers or b"x-api-key" in headers
+        message = ("incorrect API key provided" if given else
+                   "missing API key: send 'Authorization: Bearer YOUR_KEY' or 'x-api-key: "
+                   "YOUR_KEY'")
+        if scope["path"].startswith(ANTHROPIC_PATH_PREFIX):
+            body = json.dumps(anthropic_error_body(401, message)).encode()
+        else:
+            body = json.dumps(error_body(401, message, None, "invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
+from met.api.auth import presented_key
 from met.api.errors import ApiError
 from met.api.metrics import ServerMetrics
 from met.api.ratelimit import RateLimiter
@@ -23,6 +24,7 @@ from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceState, Generation
 from met.serving.prompts import Prompt
 from met.serving.reasoning import REASONING_PARSER_CHOICES
+from met.serving.response_store import DEFAULT_STORE_MAX, DEFAULT_STORE_TTL_S, ResponseStore
 from met.serving.tool_parsers import TOOL_PARSER_CHOICES
 from met.serving.validation import ModelLimits, OutputOptions, RequestLimits
 
@@ -51,6 +53,8 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # --tool-call-parser (auto: from the chat template)
     reasoning_parser: str = "auto"  # --reasoning-parser (auto: think if the template has it)
     max_thinking_budget: int | None = None  # --max-thinking-budget (reasoning_effort's scale)
+    responses_store_max: int = DEFAULT_STORE_MAX  # --responses-store-max (stored responses)
+    responses_store_ttl: float = DEFAULT_STORE_TTL_S  # --responses-store-ttl (seconds)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_PARSER_CHOICES:
@@ -77,6 +81,12 @@ class ServerConfig:
                             ("--rate-limit-tpm", self.rate_limit_tpm)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag}: must be >= 1, got {value}")
+        if self.responses_store_max < 0:
+            raise ValueError(f"--responses-store-max: must be >= 0 (0 = store nothing), got "
+                             f"{self.responses_store_max}")
+        if not self.responses_store_ttl > 0:
+            raise ValueError(f"--responses-store-ttl: must be > 0 seconds, got "
+                             f"{self.responses_store_ttl}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout: must be >= 0 seconds, got "
                              f"{self.shutdown_timeout}")
@@ -107,6 +117,8 @@ class ServerContext:
         self.model: ModelInfo | None = None
         self.created = int(time.time())
         self.rate_limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+        self.response_store = ResponseStore(config.responses_store_max,
+                                            config.responses_store_ttl)
         # Generations admitted but not yet added to the engine (a route awaits between the
         # two): counted by check_queue so a burst cannot all slip past a full queue.
         self._admitted: weakref.WeakValueDictionary[int, Generation] = \
@@ -208,9 +220,9 @@ def rate_limit_key(request: Request, config: ServerConfig) -> str:
     """Whom a rate limit counts against: the API key when the server has keys (hashed, so
     the table never holds the keys themselves), else the client's address."""
     if config.api_keys:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:24]
+        key = presented_key(dict(request.scope["headers"]))
+        if key is not None:
+            return "key:" + hashlib.sha256(key.encode()).hexdigest()[:24]
     return "addr:" + (request.client.host if request.client else "unknown")
 
 

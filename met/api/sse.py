@@ -15,6 +15,12 @@ def sse_data(obj: object) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
+def sse_event(obj: dict) -> str:
+    """A named event, as Anthropic's and OpenAI's Responses streams send them:
+    ``event: {obj["type"]}`` then its data line."""
+    return f"event: {obj['type']}\n" + sse_data(obj)
+
+
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its event generator when the response ends.
 

@@ -194,8 +194,10 @@ _FIELD_NAMES = frozenset(
 )
 
 
-def parse_body(model: type[_Body], body: Any) -> Any:
-    """Validate a decoded JSON body; the first problem becomes an InvalidRequest naming it."""
+def parse_body(model: type[BaseModel], body: Any,
+               field_names: frozenset[str] = _FIELD_NAMES) -> Any:
+    """Validate a decoded JSON body; the first problem becomes an InvalidRequest naming it.
+    ``field_names``: every field name of the body's models (another API passes its own)."""
     if not isinstance(body, dict):
         raise InvalidRequest("request body: must be a JSON object", None, "invalid_request")
     try:
@@ -204,7 +206,7 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         err = max(e.errors(), key=lambda x: len(x["loc"]))  # the most specific one
         loc = [str(p) for p in err["loc"]]
         # Union members show up in loc ('prompt', 'str'); keep the user's field path only.
-        path = [p for p in loc if p.isdigit() or p in _FIELD_NAMES]
+        path = [p for p in loc if p.isdigit() or p in field_names]
         param = ".".join(path) or None
         if loc and loc[0] == "prompt":
             raise InvalidRequest(f"prompt: must be {_PROMPT_FORMS}", "prompt") from None

@@ -1,6 +1,7 @@
 """Tool calling and the reasoning split through `met serve`, driven with the official OpenAI
-SDK: a tiny Qwen3 with a Qwen3-style chat template (written here: it renders tools, tool
-history and <think>), and the embedded SmolLM2, whose template knows nothing of tools."""
+SDK: a tiny Qwen3 with a Qwen3-style chat template (tests/api/chat_templates.py: it renders
+tools, tool history and <think>), and the embedded SmolLM2, whose template knows nothing of
+tools."""
 
 from __future__ import annotations
 
@@ -9,45 +10,10 @@ import json
 import jsonschema
 import openai
 import pytest
+from chat_templates import QWEN3_STYLE_TEMPLATE
 from tiny_models import load_tokenizer
 
 from met import LLM, SamplingParams
-
-QWEN3_STYLE_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-{% endif %}<tools>
-{%- for tool in tools %}
-{{ tool.function | tojson }}
-{%- endfor %}
-</tools>
-Use <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' %}<|im_start|>user
-{{ message.content }}<|im_end|>
-{% elif message.role == 'assistant' %}<|im_start|>assistant
-{{ message.content }}
-{%- for tc in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% else %}<think>
-{% endif %}{% endif %}"""
 
 # Small on purpose: the tiny tokenizer spends about one token per character of JSON, and the
 # tiny model holds 512 positions.

@@ -29,7 +29,19 @@ def _example_body(path: str) -> dict | None:
     return {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
                                      "max_tokens": 2},
             "/v1/completions": {"prompt": "hi", "max_tokens": 2},
-            "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]}}.get(path)
+            "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]},
+            "/v1/messages": {"model": "tiny", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "hi"}]},
+            "/v1/messages/count_tokens": {"model": "tiny",
+                                          "messages": [{"role": "user", "content": "hi"}]},
+            "/v1/responses": {"input": "hi", "max_output_tokens": 2}}.get(path)
+
+
+def _stored_response(url: str) -> str:
+    """The id of a fresh stored /v1/responses result (for GET / DELETE on it)."""
+    r = httpx.post(url + "/v1/responses", json=_example_body("/v1/responses"), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    return r.json()["id"]
 
 
 def test_every_route_but_health_and_metrics_needs_the_key(keyed_server):
@@ -49,11 +61,16 @@ def test_every_route_but_health_and_metrics_needs_the_key(keyed_server):
                 continue
             assert r.status_code == 401, (method, path, headers, r.status_code)
             err = r.json()["error"]
-            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+            if path.startswith("/v1/messages"):  # Anthropic's routes answer in its shape
+                assert r.json()["type"] == "error" and err["type"] == "authentication_error"
+            else:
+                assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
             assert KEY not in r.text
     for method, path in routes:
         body = _example_body(path)
         concrete = path.replace("{model}", "tiny").replace("{model_id}", "tiny")
+        if "{response_id}" in path:
+            concrete = path.replace("{response_id}", _stored_response(url))
         r = httpx.request(method, url + concrete, json=body, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, (method, path, r.text[:300])

@@ -1,0 +1,371 @@
+"""Anthropic's Messages API: request bodies (pydantic), their conversion to the chat request
+the engine serves, and the response's content blocks, built from a choice's output deltas
+(the same builder feeds the stream's block events and the non-streamed message, so the two
+always agree).
+
+Conversion: ``system`` becomes a system message; user ``tool_result`` blocks become tool
+messages (before the user's text); assistant ``tool_use`` blocks become tool calls and
+``thinking`` blocks the message's reasoning; ``tool_choice`` ``any`` is OpenAI's
+``required``, ``tool`` a named choice; ``thinking`` enabled turns the template's
+``enable_thinking`` on with ``budget_tokens`` as the engine's thinking budget (omitted or
+disabled: off, as Anthropic's default).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from met.serving.chat_output import ChatDelta
+from met.serving.errors import InvalidRequest
+from met.serving.field_names import model_field_names
+from met.serving.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    MessageToolCall,
+    MessageToolCallFunction,
+)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentBlock(_Body):
+    """Any content block; which fields a type needs is checked in the conversion."""
+
+    type: str
+    text: str | None = None
+    source: dict[str, Any] | None = None  # image
+    id: str | None = None  # tool_use
+    name: str | None = None  # tool_use
+    input: Any = None  # tool_use
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[ContentBlock] | None = None  # tool_result
+    is_error: bool | None = None  # tool_result
+    thinking: str | None = None  # thinking
+    signature: str | None = None  # thinking
+
+
+class InputMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Body):
+    """A client tool: ``{"name", "description", "input_schema"}``."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: str | None = None  # "custom" or absent; server tools are not served
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class Metadata(_Body):
+    user_id: str | None = None  # accepted, unused
+
+
+class CountTokensRequest(_Body):
+    """``POST /v1/messages/count_tokens``: what the prompt is made of."""
+
+    model: str
+    messages: list[InputMessage]
+    system: str | list[ContentBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages``."""
+
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+    stream: bool = False
+
+
+FIELD_NAMES = model_field_names(ContentBlock, InputMessage, Tool, ToolChoice, ThinkingConfig,
+                                Metadata, MessagesRequest)
+
+# Internal chat-request fields → the Anthropic fields they came from (for 400s).
+RENAMES = (
+    (r"tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
+    (r"tools\.(\d+)\.function\.name", r"tools.\1.name"),
+    (r"tools\.(\d+)\.function", r"tools.\1"),
+    (r"tool_choice\.function\.name", "tool_choice.name"),
+    (r"thinking_token_budget", "thinking.budget_tokens"),
+    (r"stop", "stop_sequences"),
+    (r"max_completion_tokens", "max_tokens"),
+)
+
+
+def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request that serves ``req`` (a MessagesRequest, or a count_tokens body)."""
+    fields: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
+    if req.tools:
+        fields["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        fields.update(_tool_choice(req.tool_choice, bool(req.tools)))
+    fields.update(_thinking(req))
+    if isinstance(req, MessagesRequest):
+        fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
+                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                      stream=req.stream)
+    return ChatCompletionRequest(**fields)
+
+
+def _messages(req: CountTokensRequest) -> list[ChatMessage]:
+    if not req.messages:
+        raise InvalidRequest("messages: must contain at least one message", "messages")
+    out: list[ChatMessage] = []
+    system = _system_text(req.system)
+    if system:
+        out.append(ChatMessage(role="system", content=system))
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            out.append(ChatMessage(role=m.role, content=m.content))
+        elif m.role == "user":
+            out.extend(_user_message(i, m.content))
+        else:
+            out.append(_assistant_message(i, m.content))
+    return out
+
+
+def _system_text(system: str | list[ContentBlock] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    for j, b in enumerate(system):
+        if b.type != "text" or b.text is None:
+            raise InvalidRequest(f"system.{j}: system blocks must be text blocks (got type "
+                                 f"{b.type!r})", f"system.{j}.type")
+    return "\n".join(b.text or "" for b in system)
+
+
+def _text(where: str, b: ContentBlock) -> str:
+    if b.text is None:
+        raise InvalidRequest(f"{where}.text: field required", f"{where}.text")
+    return b.text
+
+
+def _unsupported(where: str, b: ContentBlock, role: str) -> InvalidRequest:
+    if b.type == "image":
+        return InvalidRequest(f"{where}: image blocks need a vision model; this model reads "
+                              f"text only", f"{where}.type")
+    return InvalidRequest(f"{where}.type: a {role} message cannot hold a {b.type!r} block",
+                          f"{where}.type")
+
+
+def _user_message(i: int, blocks: list[ContentBlock]) -> list[ChatMessage]:
+    """Tool results first (as tool messages, in order), then the user's text."""
+    results: list[ChatMessage] = []
+    texts: list[str] = []
+    for j, b in enumerate(blocks):
+        where = f"messages.{i}.content.{j}"
+        if b.type == "text":
+            texts.append(_text(where, b))
+        elif b.type == "tool_result":
+            if not b.tool_use_id:
+                raise InvalidRequest(f"{where}.tool_use_id: field required",
+                                     f"{where}.tool_use_id")
+            content = _result_text(where, b.content)
+            if b.is_error:
+                content = "Error: " + content
+            results.append(ChatMessage(role="tool", content=content, tool_call_id=b.tool_use_id))
+        else:
+            raise _unsupported(where, b, "user")
+    if texts or not results:
+        return [*results, ChatMessage(role="user", content="".join(texts))]
+    return results
+
+
+def _result_text(where: str, content: str | list[ContentBlock] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for k, b in enumerate(content):
+        if b.type != "text":
+            raise _unsupported(f"{where}.content.{k}", b, "tool_result")
+        parts.append(_text(f"{where}.content.{k}", b))
+    return "".join(parts)
+
+
+def _assistant_message(i: int, blocks: list[ContentBlock]) -> ChatMessage:
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[MessageToolCall] = []
+    for j, b in enumerate(blocks):
+        where = f"messages.{i}.content.{j}"
+        if b.type == "text":
+            texts.append(_text(where, b))
+        elif b.type == "thinking":
+            thinking.append(b.thinking or "")
+        elif b.type == "redacted_thinking":
+            continue  # encrypted elsewhere: nothing this model can read
+        elif b.type == "tool_use":
+            for name in ("id", "name"):
+                if not getattr(b, name):
+                    raise InvalidRequest(f"{where}.{name}: field required", f"{where}.{name}")
+            args = b.input if b.input is not None else {}
+            if not isinstance(args, dict):
+                raise InvalidRequest(f"{where}.input: must be an object", f"{where}.input")
+            calls.append(MessageToolCall(id=b.id, function=MessageToolCallFunction(
+                name=b.name or "", arguments=json.dumps(args, ensure_ascii=False))))
+        else:
+            raise _unsupported(where, b, "assistant")
+    return ChatMessage(role="assistant", content="".join(texts), tool_calls=calls or None,
+                       reasoning_content="\n".join(thinking) or None)
+
+
+def _tool(i: int, t: Tool) -> dict[str, Any]:
+    if t.type not in (None, "custom"):
+        raise InvalidRequest(f"tools.{i}.type: only client tools (name, description, "
+                             f"input_schema) are served, got {t.type!r}", f"tools.{i}.type")
+    fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
+    if t.description is not None:
+        fn["description"] = t.description
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: ToolChoice, has_tools: bool) -> dict[str, Any]:
+    if choice.type in ("any", "tool") and not has_tools:
+        raise InvalidRequest(f"tool_choice: type {choice.type!r} needs tools", "tool_choice")
+    out: dict[str, Any] = {}
+    if choice.disable_parallel_tool_use is not None:
+        out["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequest("tool_choice.name: required when type is 'tool'",
+                                 "tool_choice.name")
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    return out
+
+
+def _thinking(req: CountTokensRequest) -> dict[str, Any]:
+    t = req.thinking
+    if t is None or t.type == "disabled":
+        return {"enable_thinking": False}
+    if t.type == "adaptive":
+        return {"enable_thinking": True}
+    if t.budget_tokens is None:
+        raise InvalidRequest("thinking.budget_tokens: required when type is 'enabled'",
+                             "thinking.budget_tokens")
+    if t.budget_tokens < 1:
+        raise InvalidRequest(f"thinking.budget_tokens: must be >= 1, got {t.budget_tokens}",
+                             "thinking.budget_tokens")
+    max_tokens = getattr(req, "max_tokens", None)
+    if max_tokens is not None and t.budget_tokens >= max_tokens:
+        raise InvalidRequest(f"thinking.budget_tokens: must be less than max_tokens "
+                             f"({max_tokens}), got {t.budget_tokens}", "thinking.budget_tokens")
+    return {"enable_thinking": True, "thinking_token_budget": t.budget_tokens}
+
+
+def tool_use_id(call_id: str) -> str:
+    """A parser's ``call_…`` id in Anthropic's ``toolu_…`` form."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def stop_reason(finish_reason: str | None, engine_stop: str | int | None,
+                called_tools: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) for a finished choice."""
+    if finish_reason == "stop":
+        if called_tools:
+            return "tool_use", None
+        if isinstance(engine_stop, str):
+            return "stop_sequence", engine_stop
+        return "end_turn", None
+    return "max_tokens", None  # length, repetition cut-off, or the request timeout
+
+
+class MessageBuilder:
+    """A message's content blocks, built from its ChatDeltas; ``feed`` also returns the
+    stream's ``content_block_start`` / ``_delta`` / ``_stop`` events for them."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open = False
+        self._json: dict[int, str] = {}  # block index → tool input JSON text
+        self._call_block: dict[int, int] = {}  # tool call index → block index
+
+    def feed(self, d: ChatDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if d.reasoning:
+            events += self._append("thinking", d.reasoning)
+        if d.content:
+            events += self._append("text", d.content)
+        for tc in d.tool_calls:
+            if tc.id is not None:
+                events += self._start({"type": "tool_use", "id": tool_use_id(tc.id),
+                                       "name": tc.name, "input": {}})
+                self._call_block[tc.index] = len(self.blocks) - 1
+                self._json[len(self.blocks) - 1] = ""
+            if tc.arguments:
+                index = self._call_block[tc.index]
+                self._json[index] += tc.arguments
+                events.append({"type": "content_block_delta", "index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": tc.arguments}})
+        return events
+
+    def close(self) -> list[dict[str, Any]]:
+        """The output ended: close the open block and settle the tool inputs."""
+        for index, text in self._json.items():
+            self.blocks[index]["input"] = _tool_input(text)
+        return self._stop()
+
+    @property
+    def called_tools(self) -> bool:
+        return bool(self._call_block)
+
+    def _append(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if not (self._open and self.blocks[-1]["type"] == kind):
+            empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+                else {"type": "text", "text": ""}
+            events += self._start(empty)
+        key, delta_type = ("thinking", "thinking_delta") if kind == "thinking" \
+            else ("text", "text_delta")
+        self.blocks[-1][key] += text
+        events.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                       "delta": {"type": delta_type, key: text}})
+        return events
+
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._stop()
+        self.blocks.append(block)
+        self._open = True
+        events.append({"type": "content_block_start", "index": len(self.blocks) - 1,
+                       "content_block": dict(block)})
+        return events
+
+    def _stop(self) -> list[dict[str, Any]]:
+        if not self._open:
+            return []
+        self._open = False
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+
+
+def _tool_input(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}", strict=False)
+    except ValueError:
+        value = None
+    # A call whose arguments are not an object (a model off its grammar) keeps its text.
+    return value if isinstance(value, dict) else {"_arguments": text}

@@ -1,0 +1,366 @@
+"""OpenAI's Responses API: the request body (pydantic), its input items (normalised, earlier
+turns prepended) as the chat request the engine serves, and the output items built from a
+choice's output deltas. The same builder gives the stream's events and the whole response,
+so the two always agree.
+
+Input items: messages (``user``, ``system``, ``developer`` → system, ``assistant``; text
+content), ``function_call`` (joins the assistant message before it as a tool call),
+``function_call_output`` (a tool message) and ``reasoning`` (the next assistant message's
+reasoning). ``instructions`` is this request's system message; it is not carried to later
+turns.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from met.serving.chat_output import ChatDelta
+from met.serving.errors import InvalidRequest
+from met.serving.field_names import model_field_names
+from met.serving.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaFormat,
+    MessageToolCall,
+    MessageToolCallFunction,
+    ResponseFormat,
+)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class InputContent(_Body):
+    type: str
+    text: str | None = None
+
+
+class InputItem(_Body):
+    """Any input item; which fields a type needs is checked in ``input_items``."""
+
+    type: str | None = None  # "message" when absent
+    role: str | None = None
+    content: str | list[InputContent] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputContent] | None = None
+    summary: list[InputContent] | None = None
+
+
+class FunctionTool(_Body):
+    """``{"type": "function", "name", "description", "parameters", "strict"}``."""
+
+    type: str
+    name: Any = None
+    description: str | None = None
+    parameters: Any = None
+    strict: bool | None = None
+
+
+class TextFormat(_Body):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Body):
+    effort: str | None = None
+    summary: str | None = None  # accepted; reasoning comes back whole, not summarised
+
+
+class ResponsesRequest(_Body):
+    """``POST /v1/responses``."""
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # accepted, unused
+
+
+FIELD_NAMES = model_field_names(InputContent, InputItem, FunctionTool, TextFormat, TextConfig,
+                                ReasoningConfig, ResponsesRequest)
+
+# Internal chat-request fields → the Responses fields they came from (for 400s).
+RENAMES = (
+    (r"max_tokens", "max_output_tokens"),
+    (r"messages", "input"),
+    (r"tools\.(\d+)\.function\.(\w+)", r"tools.\1.\2"),
+    (r"tools\.(\d+)\.function", r"tools.\1"),
+    (r"tool_choice\.function\.name", "tool_choice.name"),
+    (r"response_format\.json_schema\.schema", "text.format.schema"),
+    (r"response_format", "text.format"),
+    (r"reasoning_effort", "reasoning.effort"),
+)
+
+_EFFORTS = ("none", "minimal", "low", "medium", "high")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's own input as plain items (``input.N`` names any bad one)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": req.input}]}]
+    if not req.input:
+        raise InvalidRequest("input: must be a non-empty string or list of items", "input")
+    return [_item(f"input.{i}", it) for i, it in enumerate(req.input)]
+
+
+def _item(where: str, it: InputItem) -> dict[str, Any]:
+    kind = it.type or "message"
+    if kind == "message":
+        if it.role not in ("user", "assistant", "system", "developer"):
+            raise InvalidRequest(f"{where}.role: must be user, assistant, system or developer, "
+                                 f"got {it.role!r}", f"{where}.role")
+        return {"type": "message", "role": it.role,
+                "content": [{"type": "output_text" if it.role == "assistant" else "input_text",
+                             "text": _text(f"{where}.content", it.content)}]}
+    if kind == "function_call":
+        for name in ("call_id", "name", "arguments"):
+            if getattr(it, name) is None:
+                raise InvalidRequest(f"{where}.{name}: field required", f"{where}.{name}")
+        return {"type": "function_call", "call_id": it.call_id, "name": it.name,
+                "arguments": it.arguments}
+    if kind == "function_call_output":
+        if it.call_id is None:
+            raise InvalidRequest(f"{where}.call_id: field required", f"{where}.call_id")
+        return {"type": "function_call_output", "call_id": it.call_id,
+                "output": _text(f"{where}.output", it.output)}
+    if kind == "reasoning":
+        return {"type": "reasoning", "content": [
+            {"type": "reasoning_text", "text": _text(f"{where}.content", it.content)}]}
+    raise InvalidRequest(f"{where}.type: must be message, function_call, function_call_output "
+                         f"or reasoning, got {kind!r}", f"{where}.type")
+
+
+def _text(where: str, content: str | list[InputContent] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type not in (*_TEXT_PARTS, "reasoning_text") or part.text is None:
+            raise InvalidRequest(f"{where}.{j}: only text parts are served (got type "
+                                 f"{part.type!r})", f"{where}.{j}.type")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def item_messages(items: list[dict[str, Any]]) -> list[ChatMessage]:
+    """Plain input / output items (``input_items``' or a response's ``output``) as chat
+    messages."""
+    out: list[ChatMessage] = []
+    reasoning: str | None = None
+    for it in items:
+        kind = it["type"]
+        if kind == "reasoning":
+            reasoning = "".join(c.get("text", "") for c in it.get("content") or [])
+        elif kind == "message":
+            role = "system" if it["role"] == "developer" else it["role"]
+            text = "".join(c.get("text", "") for c in it["content"])
+            msg = ChatMessage(role=role, content=text)
+            if role == "assistant" and reasoning:
+                msg.reasoning_content, reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            call = MessageToolCall(id=it["call_id"], function=MessageToolCallFunction(
+                name=it["name"], arguments=it["arguments"]))
+            if out and out[-1].role == "assistant":  # the calls of one assistant turn
+                out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call],
+                                       reasoning_content=reasoning))
+                reasoning = None
+        elif kind == "function_call_output":
+            out.append(ChatMessage(role="tool", content=it["output"],
+                                   tool_call_id=it["call_id"]))
+    return out
+
+
+def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request serving ``req`` over the conversation ``items``."""
+    messages = item_messages(items)
+    if req.instructions:
+        messages.insert(0, ChatMessage(role="system", content=req.instructions))
+    fields: dict[str, Any] = {
+        "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }
+    if req.tools:
+        fields["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        fields["tool_choice"] = _tool_choice(req.tool_choice)
+    effort = req.reasoning.effort if req.reasoning else None
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise InvalidRequest(f"reasoning.effort: must be one of {', '.join(_EFFORTS)}, got "
+                                 f"{effort!r}", "reasoning.effort")
+        if effort == "none":
+            fields["enable_thinking"] = False
+        else:
+            fields["reasoning_effort"] = "low" if effort == "minimal" else effort
+    fmt = req.text.format if req.text else None
+    if fmt is not None:
+        fields["response_format"] = _response_format(fmt)
+    return ChatCompletionRequest(**fields)
+
+
+def _tool(i: int, t: FunctionTool) -> dict[str, Any]:
+    if t.type != "function":
+        raise InvalidRequest(f"tools.{i}.type: only function tools are served, got {t.type!r}",
+                             f"tools.{i}.type")
+    fn = {"name": t.name, "parameters": t.parameters}
+    if t.description is not None:
+        fn["description"] = t.description
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function":
+        raise InvalidRequest("tool_choice: must be auto, none, required or {\"type\": "
+                             "\"function\", \"name\": ...}", "tool_choice")
+    return {"type": "function", "function": {"name": choice.get("name")}}
+
+
+def _response_format(fmt: TextFormat) -> ResponseFormat:
+    if fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise InvalidRequest("text.format.schema: required when type is 'json_schema'",
+                                 "text.format.schema")
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+            name=fmt.name, schema=fmt.schema_, strict=fmt.strict))
+    if fmt.type not in ("text", "json_object"):
+        raise InvalidRequest(f"text.format.type: must be text, json_object or json_schema, got "
+                             f"{fmt.type!r}", "text.format.type")
+    return ResponseFormat(type=fmt.type)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """A response's output items, built from its ChatDeltas; ``feed`` also returns the
+    stream's item / content-part / delta events for them (without sequence numbers)."""
+
+    def __init__(self) -> None:
+        self.output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._call_item: dict[int, int] = {}  # tool call index → output index
+
+    def feed(self, d: ChatDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if d.reasoning:
+            events += self._text("reasoning", d.reasoning)
+        if d.content:
+            events += self._text("message", d.content)
+        for tc in d.tool_calls:
+            if tc.id is not None:
+                events += self._start({"id": _new_id("fc"), "type": "function_call",
+                                       "status": "in_progress", "arguments": "",
+                                       "call_id": tc.id, "name": tc.name})
+                self._call_item[tc.index] = len(self.output) - 1
+            if tc.arguments:
+                index = self._call_item[tc.index]
+                item = self.output[index]
+                item["arguments"] += tc.arguments
+                events.append({"type": "response.function_call_arguments.delta",
+                               "item_id": item["id"], "output_index": index,
+                               "delta": tc.arguments})
+        return events
+
+    def close(self) -> list[dict[str, Any]]:
+        """The output ended: finish the open item."""
+        return self._done()
+
+    @property
+    def called_tools(self) -> bool:
+        return bool(self._call_item)
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open["type"] != kind:
+            if kind == "reasoning":
+                item = {"id": _new_id("rs"), "type": "reasoning", "summary": [],
+                        "content": [], "status": "in_progress"}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = {"id": _new_id("msg"), "type": "message", "status": "in_progress",
+                        "role": "assistant", "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events += self._start(item)
+            item["content"].append(part)
+            events.append({"type": "response.content_part.added", "item_id": item["id"],
+                           "output_index": len(self.output) - 1, "content_index": 0,
+                           "part": dict(part)})
+        item = self.output[-1]
+        item["content"][0]["text"] += text
+        delta_type = ("response.reasoning_text.delta" if kind == "reasoning"
+                      else "response.output_text.delta")
+        event = {"type": delta_type, "item_id": item["id"], "output_index": len(self.output) - 1,
+                 "content_index": 0, "delta": text}
+        if kind == "message":
+            event["logprobs"] = []
+        events.append(event)
+        return events
+
+    def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._done()
+        self.output.append(item)
+        self._open = item
+        return events + [{"type": "response.output_item.added",
+                          "output_index": len(self.output) - 1, "item": _copy(item)}]
+
+    def _done(self) -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        index = len(self.output) - 1
+        item["status"] = "completed"
+        base = {"item_id": item["id"], "output_index": index}
+        events: list[dict[str, Any]] = []
+        if item["type"] == "function_call":
+            events.append({"type": "response.function_call_arguments.done", **base,
+                           "name": item["name"], "arguments": item["arguments"]})
+        else:
+            part = item["content"][0]
+            done = ("response.reasoning_text.done" if item["type"] == "reasoning"
+                    else "response.output_text.done")
+            text_done = {"type": done, **base, "content_index": 0, "text": part["text"]}
+            if item["type"] == "message":
+                text_done["logprobs"] = []
+            events += [text_done, {"type": "response.content_part.done", **base,
+                                   "content_index": 0, "part": dict(part)}]
+        events.append({"type": "response.output_item.done", "output_index": index,
+                       "item": _copy(item)})
+        return events
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: ([dict(c) for c in v] if k == "content" else v) for k, v in item.items()}
