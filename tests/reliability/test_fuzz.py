@@ -209,6 +209,15 @@ STRUCTURED = {
         st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "bogus"]),
                                "json_schema": st.fixed_dictionaries(
                                    {"name": _name, "schema": _any_json})})),
+    "structured_outputs": _maybe(
+        st.fixed_dictionaries({"regex": st.sampled_from(["[a-z]{1,4}", "(yes|no)", "\\d+"])})
+        | st.fixed_dictionaries({"choice": st.lists(st.text(min_size=1, max_size=6),
+                                                    min_size=1, max_size=3)})
+        | st.fixed_dictionaries({"json": _json_schema}),
+        st.fixed_dictionaries({}, optional={"regex": _text, "choice": _any_json,
+                                            "json": _any_json, "grammar": _text,
+                                            "json_object": _any_json})),
+    "guided_regex": _maybe(st.sampled_from(["[a-z]+", "x|y"]), _text),
 }
 
 CHAT_FIELDS = {
@@ -234,6 +243,8 @@ COMPLETION_FIELDS = {
     "logprobs": _maybe(st.integers(0, 5), st.integers(-1, 1000)),
     "prompt_logprobs": _maybe(st.integers(0, 5), st.integers(-1, 1000)),
     "response_format": STRUCTURED["response_format"],
+    "structured_outputs": STRUCTURED["structured_outputs"],
+    "guided_regex": STRUCTURED["guided_regex"],
 }
 
 
