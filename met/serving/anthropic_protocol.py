@@ -153,7 +153,7 @@ def _system_text(system: str | list[ContentBlock] | None) -> str:
         return system or ""
     for j, b in enumerate(system):
         if b.type != "text" or b.text is None:
-            raise InvalidRequest(f"system.{j}: system blocks must be text blocks (got type "
+            raise InvalidRequest(f"system.{j}.type: system blocks must be text blocks (got "
                                  f"{b.type!r})", f"system.{j}.type")
     return "\n".join(b.text or "" for b in system)
 
@@ -166,8 +166,8 @@ def _text(where: str, b: ContentBlock) -> str:
 
 def _unsupported(where: str, b: ContentBlock, role: str) -> InvalidRequest:
     if b.type == "image":
-        return InvalidRequest(f"{where}: image blocks need a vision model; this model reads "
-                              f"text only", f"{where}.type")
+        return InvalidRequest(f"{where}.type: image blocks need a vision model; this model "
+                              f"reads text only", f"{where}.type")
     return InvalidRequest(f"{where}.type: a {role} message cannot hold a {b.type!r} block",
                           f"{where}.type")
 

@@ -115,7 +115,9 @@ RENAMES = (
     (r"reasoning_effort", "reasoning.effort"),
 )
 
-_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# Efforts beyond ours map to the nearest: minimal → low, xhigh / max → high (all the budget).
+_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high",
+            "xhigh": "high", "max": "high"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -162,7 +164,7 @@ def _text(where: str, content: str | list[InputContent] | None) -> str:
     parts = []
     for j, part in enumerate(content):
         if part.type not in (*_TEXT_PARTS, "reasoning_text") or part.text is None:
-            raise InvalidRequest(f"{where}.{j}: only text parts are served (got type "
+            raise InvalidRequest(f"{where}.{j}.type: only text parts are served (got "
                                  f"{part.type!r})", f"{where}.{j}.type")
         parts.append(part.text)
     return "".join(parts)
@@ -215,13 +217,13 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         fields["tool_choice"] = _tool_choice(req.tool_choice)
     effort = req.reasoning.effort if req.reasoning else None
     if effort is not None:
-        if effort not in _EFFORTS:
-            raise InvalidRequest(f"reasoning.effort: must be one of {', '.join(_EFFORTS)}, got "
-                                 f"{effort!r}", "reasoning.effort")
         if effort == "none":
             fields["enable_thinking"] = False
+        elif effort in _EFFORTS:
+            fields["reasoning_effort"] = _EFFORTS[effort]
         else:
-            fields["reasoning_effort"] = "low" if effort == "minimal" else effort
+            raise InvalidRequest(f"reasoning.effort: must be one of none, "
+                                 f"{', '.join(_EFFORTS)}, got {effort!r}", "reasoning.effort")
     fmt = req.text.format if req.text else None
     if fmt is not None:
         fields["response_format"] = _response_format(fmt)

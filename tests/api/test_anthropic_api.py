@@ -271,7 +271,7 @@ def _error(r: httpx.Response, status: int, kind: str) -> str:
     ({"max_tokens": 8, "messages": USER, "temperature": 5}, "temperature"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "AAAA"}}]}]}, "messages.0.content.0"),
+                                     "data": "AAAA"}}]}]}, "messages.0.content.0.type"),
     ({"max_tokens": 8, "messages": USER, "thinking": {"type": "enabled",
                                                       "budget_tokens": 8}},
      "thinking.budget_tokens"),
@@ -288,7 +288,7 @@ def _error(r: httpx.Response, status: int, kind: str) -> str:
 def test_bad_input_is_a_400_naming_the_field(http, body, field):
     msg = _error(http.post("/v1/messages", json={"model": "tiny", **body}), 400,
                  "invalid_request_error")
-    assert msg.startswith(field + ":") or f"{field}:" in msg, msg
+    assert msg.startswith(field + ":"), msg
 
 
 def test_sdk_raises_typed_errors(claude):
