@@ -13,8 +13,13 @@ import jsonschema
 import openai
 import pytest
 from chat_templates import QWEN3_STYLE_TEMPLATE
+from in_process import metric, run_with_app
 from serve_harness import wait_until
 from tiny_models import load_tokenizer
+
+from met.api.anthropic.errors import error_body as anthropic_error_body
+from met.serving import generate
+from met.serving.detokenizer import IncrementalDetokenizer
 
 KEY = "sk-anthropic-test-key"
 SCHEMA = {"type": "object", "properties": {
@@ -336,3 +341,66 @@ def test_a_dropped_stream_frees_its_request(server, http):
                 break
     assert wait_until(lambda: server.metric("met_requests_running") == 0
                       and server.metric("met_kv_blocks_used") == 0, timeout=30)
+
+
+def test_a_failure_mid_stream_is_an_error_event(ckpt, monkeypatch):
+    """A fault after the stream started ends it with Anthropic's ``error`` event (no
+    message_stop); without streaming it is a 500 api_error; nothing is left running."""
+    real_push = IncrementalDetokenizer.push
+    pushes = {"n": 0}
+
+    def push(self, token_ids):
+        pushes["n"] += 1
+        if pushes["n"] % 4 == 0:
+            raise RuntimeError("simulated detokenizer fault")
+        return real_push(self, token_ids)
+
+    monkeypatch.setattr(generate.IncrementalDetokenizer, "push", push)
+    body = {"model": "tiny", "max_tokens": 10, "messages": USER, "temperature": 0}
+
+    async def work(c):
+        streamed = await c.post("/v1/messages", json={**body, "stream": True})
+        plain = await c.post("/v1/messages", json=body)
+        left = (await metric(c, "met_requests_running"), await metric(c, "met_kv_blocks_used"))
+        return streamed, plain, left
+
+    streamed, plain, left = run_with_app(ckpt, QWEN3_STYLE_TEMPLATE, work)
+    assert streamed.status_code == 200
+    blocks = streamed.text.strip().split("\n\n")
+    names = [b.split("\n")[0].removeprefix("event: ") for b in blocks]
+    assert names[0] == "message_start" and names[-1] == "error"
+    assert "message_stop" not in names and "content_block_delta" in names
+    error = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "simulated detokenizer fault" in error["error"]["message"]
+    _error(plain, 500, "api_error")
+    assert left == (0, 0)
+
+
+def test_rate_limits_count_per_x_api_key_and_answer_429(start_server, ckpt, tmp_path):
+    path = tmp_path / "qwen3_style.jinja"
+    path.write_text(QWEN3_STYLE_TEMPLATE)
+    limited = start_server([ckpt, "--dtype", "float32", "--max-model-len", "128",
+                            "--served-model-name", "tiny", "--chat-template", str(path),
+                            "--api-key", "key-a", "--api-key", "key-b",
+                            "--rate-limit-rpm", "1"])
+    body = {"model": "tiny", "max_tokens": 2, "messages": USER}
+
+    def post(key: str) -> httpx.Response:
+        return httpx.post(limited.url + "/v1/messages", json=body, headers={"x-api-key": key},
+                          timeout=60)
+
+    assert post("key-a").status_code == 200
+    r = post("key-a")
+    _error(r, 429, "rate_limit_error")
+    assert int(r.headers["retry-after"]) >= 1
+    assert post("key-b").status_code == 200  # another key has its own budget
+
+
+@pytest.mark.parametrize("status, kind", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
+    (413, "request_too_large"), (429, "rate_limit_error"), (500, "api_error"),
+    (503, "overloaded_error")])
+def test_error_types_follow_anthropic_statuses(status, kind):
+    assert anthropic_error_body(status, "why") == {
+        "type": "error", "error": {"type": kind, "message": "why"}}

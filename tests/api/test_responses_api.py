@@ -12,9 +12,12 @@ import jsonschema
 import openai
 import pytest
 from chat_templates import QWEN3_STYLE_TEMPLATE
+from in_process import metric, run_with_app
 from serve_harness import wait_until
 
 from met.api.context import ServerConfig
+from met.serving import generate
+from met.serving.detokenizer import IncrementalDetokenizer
 from met.serving.response_store import ResponseStore
 
 SCHEMA = {"type": "object", "properties": {
@@ -300,3 +303,41 @@ def test_non_json_output_is_incomplete_not_failed(http):
     names = [b.split("\n")[0].removeprefix("event: ") for b in raw.strip().split("\n\n")]
     assert names[-1] == "response.incomplete"
     assert "error" not in names and httpx.codes.OK == r.status_code
+
+
+def test_a_failure_mid_stream_is_an_error_event(ckpt, monkeypatch):
+    """A fault after the stream started sends ``error`` then ``response.failed`` (never
+    response.completed) and stores nothing; without streaming it is a 500."""
+    real_push = IncrementalDetokenizer.push
+    pushes = {"n": 0}
+
+    def push(self, token_ids):
+        pushes["n"] += 1
+        if pushes["n"] % 4 == 0:
+            raise RuntimeError("simulated detokenizer fault")
+        return real_push(self, token_ids)
+
+    monkeypatch.setattr(generate.IncrementalDetokenizer, "push", push)
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 10, "temperature": 0}
+
+    async def work(c):
+        streamed = await c.post("/v1/responses", json={**body, "stream": True})
+        plain = await c.post("/v1/responses", json=body)
+        rid = json.loads(streamed.text.split("\n")[1].removeprefix("data: "))["response"]["id"]
+        stored = await c.get(f"/v1/responses/{rid}")
+        left = (await metric(c, "met_requests_running"), await metric(c, "met_kv_blocks_used"))
+        return streamed, plain, stored, left
+
+    streamed, plain, stored, left = run_with_app(ckpt, QWEN3_STYLE_TEMPLATE, work)
+    assert streamed.status_code == 200
+    events = [json.loads(b.split("\n")[1].removeprefix("data: "))
+              for b in streamed.text.strip().split("\n\n")]
+    names = [e["type"] for e in events]
+    assert names[0] == "response.created" and names[-2:] == ["error", "response.failed"]
+    assert "response.completed" not in names
+    assert "simulated detokenizer fault" in events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "simulated" in failed["error"]["message"]
+    assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
+    assert stored.status_code == 404
+    assert left == (0, 0)
