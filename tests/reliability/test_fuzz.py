@@ -33,10 +33,13 @@ def server(start_server, ckpt):
     return start_server([ckpt, *SERVER_ARGS])
 
 
-def check_response(status: int, content_type: str, body: bytes) -> None:
-    """The properties every response must have, whatever the request was."""
+def check_response(status: int, content_type: str, body: bytes, path: str = "") -> None:
+    """The properties every response must have, whatever the request was (Anthropic's and
+    the Responses API's routes in their own shapes)."""
     assert status < 500, f"server error {status}: {body[:500]!r}"
-    if status >= 400:
+    if path.startswith("/v1/messages") or path.startswith("/v1/responses"):
+        check_named_event_api(status, content_type, body, path.startswith("/v1/messages"))
+    elif status >= 400:
         assert content_type.startswith("application/json"), (status, content_type)
         err = json.loads(body)["error"]
         assert set(err) == {"message", "type", "param", "code"}, err
@@ -49,6 +52,30 @@ def check_response(status: int, content_type: str, body: bytes) -> None:
         for e in events[:-1]:
             obj = json.loads(e)
             assert "error" not in obj, obj  # a valid request that failed mid-stream
+    elif content_type.startswith("application/json"):
+        json.loads(body)
+
+
+def check_named_event_api(status: int, content_type: str, body: bytes, anthropic: bool) -> None:
+    """Anthropic's errors are ``{"type": "error", "error": {"type", "message"}}``; both
+    APIs stream named events that end in a terminal event, never an error event."""
+    if status >= 400:
+        assert content_type.startswith("application/json"), (status, content_type)
+        obj = json.loads(body)
+        err = obj["error"]
+        if anthropic:
+            assert obj["type"] == "error" and set(err) == {"type", "message"}, obj
+            assert err["type"] in ("invalid_request_error", "not_found_error",
+                                   "request_too_large", "rate_limit_error"), err
+        else:
+            assert set(err) == {"message", "type", "param", "code"}, err
+        assert isinstance(err["message"], str) and err["message"], err
+    elif content_type.startswith("text/event-stream"):
+        names = [b.split("\n")[0].removeprefix("event: ")
+                 for b in body.decode().strip().split("\n\n")]
+        assert "error" not in names, body[-500:]
+        ends = ("message_stop",) if anthropic else ("response.completed", "response.incomplete")
+        assert names and names[-1] in ends, body[-300:]
     elif content_type.startswith("application/json"):
         json.loads(body)
 
@@ -80,7 +107,8 @@ def api_schema_with_coverage(server):
 def _call_and_check(case) -> None:
     response = case.call(timeout=ANSWER_TIMEOUT_S)
     content_type = response.headers.get("content-type") or [""]  # schemathesis: lists
-    check_response(response.status_code, content_type[0], response.content)
+    check_response(response.status_code, content_type[0], response.content,
+                   case.operation.path)
 
 
 quick_schema = schemathesis.pytest.from_fixture("api_schema")
