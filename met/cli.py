@@ -19,6 +19,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantized linear layers with bfloat16 activations: int8 "
+                        "(per output channel) or int4 (groups of 32; a Q4_0/Q4_1 GGUF keeps "
+                        "its own integers exactly)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -52,7 +56,7 @@ def _build_llm(args: argparse.Namespace):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-        cache_dir=args.cache_dir,
+        cache_dir=args.cache_dir, quantization=args.quantization,
     )
 
 
@@ -127,7 +131,7 @@ def _engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-        cache_dir=args.cache_dir,
+        cache_dir=args.cache_dir, quantization=args.quantization,
     )
 
 

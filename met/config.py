@@ -44,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     seed: int = 0
+    quantization: str | None = None  # "int8" / "int4": weight-only quantized linear layers
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -62,7 +63,12 @@ class EngineConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         resolve_dtype(self.dtype, self.device)
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization: must be 'int8', 'int4' or None, got "
+                             f"{self.quantization!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto" and self.quantization is not None:
+            return torch.bfloat16  # the quantized kernels take bfloat16 activations
         return resolve_dtype(self.dtype, self.device)

@@ -50,8 +50,8 @@ class EngineCore:
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
         self.loaded = loaded or load_model(
-            config.model, dtype, self.device, config.max_model_len, config.cache_dir
-        )
+            config.model, dtype, self.device, config.max_model_len, config.cache_dir,
+            config.quantization)
         self.max_model_len = self.loaded.max_model_len
         num_blocks = self._num_blocks(dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

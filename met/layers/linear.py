@@ -1,4 +1,19 @@
-"""Linear layer without initialisation cost: weights arrive from the loader."""
+"""Linear layers: plain, fused (q/k/v, gate/up), and int8 / int4 weight-only.
+
+Int8 weight-only (``quantize_int8``): each output channel's weights become int8 with one
+scale (symmetric, scale = max|w| / 127); activations stay bfloat16. The kernel depends on the
+number of rows: up to ``INT8_GEMV_MAX_ROWS`` rows go through torch's int8 weight-only
+kernel (it reads a quarter of float32's bytes, and decode at low concurrency is memory
+bound); more rows multiply by the same integers held as bfloat16 (exact: |q| <= 127) on the
+bfloat16 matrix units. Both round ``x · q`` to bfloat16 and then scale it, so a row's result
+does not depend on which kernel its batch picked (measured: 99.997 % of outputs bitwise
+equal, the rest one ulp apart from the accumulation order).
+
+Int4 weight-only (``quantize_int4``): groups of 32 weights along the input dimension get a
+scale and a minimum (asymmetric, 16 levels: the layout of GGUF's Q4_1 blocks), run by
+torch's int4 weight-only kernel for few rows and as bfloat16 weights dequantized from the
+same integers for many.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +21,140 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
+# (docs/benchmarks.md: measured per layer shape of the embedded model).
+INT8_GEMV_MAX_ROWS = 4
+INT4_GEMV_MAX_ROWS = 4
+
+
+class Int8Weight(nn.Module):
+    """int8 [N, K] weights with per-output-channel scales; ``forward(x)`` = x Wᵀ (+ bias)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        w = weight.detach().float()
+        # The kernel takes bfloat16 scales: round them up (never below max|w| / 127, so no
+        # weight is clipped) and quantize against the rounded value.
+        scale = ((w.abs().amax(dim=1) / 127.0).clamp(min=1e-12) * (1 + 2**-7)).to(torch.bfloat16)
+        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scale", scale)
+        self.register_buffer("ones", torch.ones_like(scale))
+        # The integers as bfloat16 (exact), for the many-rows path.
+        self.register_buffer("qweight_bf16", q.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        # Both paths round x·q to bfloat16 and then multiply by the scale, so a row's result
+        # is the same whichever path its batch takes (up to the rare accumulation-order ulp).
+        if x2.shape[0] <= INT8_GEMV_MAX_ROWS and x2.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.ones)
+        else:
+            y = F.linear(x2, self.qweight_bf16)
+        y = y * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights these integers stand for, float32 [N, K]."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+
+INT4_GROUP = 32
+
+
+class Int4Weight(nn.Module):
+    """int4 [N, K] weights in groups of 32 along K, each with a scale and a minimum;
+    ``forward(x)`` = x Wᵀ (+ bias)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        n, k = weight.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"quantization int4: input size {k} is not a multiple of "
+                             f"{INT4_GROUP}")
+        blocks = getattr(weight, "q4_blocks", None)
+        if blocks is not None:  # a GGUF Q4_0 / Q4_1 tensor: its own integers, exactly
+            q = blocks.q.to(torch.int32)
+            scale = blocks.scale.to(torch.bfloat16)
+            lo = blocks.minimum
+        else:  # float weights: 16 levels between each group's min and max
+            w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+            lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+            scale = ((hi - lo) / 15.0).clamp(min=1e-12).to(torch.bfloat16)
+            q = torch.round((w - lo[..., None]) / scale.float()[..., None]).clamp(0, 15)
+            q = q.to(torch.int32).reshape(n, k)
+        # The kernel computes (q - 8) · scale + zero; zero = min + 8 · scale.
+        zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # [K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output channel.
+        self.register_buffer("scales_zeros",
+                             torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        deq = ((q.float().reshape(n, -1, INT4_GROUP) - 8.0) * scale.float()[..., None]
+               + zero.float()[..., None])
+        self.register_buffer("weight_bf16", deq.reshape(n, k).to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        self.out_features, self.in_features = n, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if x2.shape[0] <= INT4_GEMV_MAX_ROWS and x2.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed,
+                                                           INT4_GROUP, self.scales_zeros)
+        else:
+            y = F.linear(x2, self.weight_bf16)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight}
+
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Parameters are allocated empty; the loader fills them."""
+    """y = x W^T (+ b). Parameters are allocated empty; the loader fills them.
+
+    ``quantize(kind)`` swaps the weights for an ``Int8Weight`` / ``Int4Weight`` (after
+    loading)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+        self.quantized: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def quantize(self, kind: str) -> None:
+        self.quantized = QUANTIZED_WEIGHTS[kind](self.weight, self.bias)
+        del self.weight
+        self.weight = None  # type: ignore[assignment]
+        self.bias = None
+
+
+def fuse_linears(parts: list[Linear]) -> Linear:
+    """One Linear computing ``parts`` side by side (outputs concatenated in order): one
+    matrix multiply instead of several on the same input."""
+    first = parts[0]
+    weight = torch.cat([p.weight.data for p in parts], dim=0)
+    has_bias = first.bias is not None
+    fused = Linear(weight.shape[1], weight.shape[0], has_bias, weight.dtype)
+    fused.weight.data = weight
+    blocks = [getattr(p.weight, "q4_blocks", None) for p in parts]
+    if all(b is not None for b in blocks):
+        fused.weight.q4_blocks = type(blocks[0])(*(torch.cat(xs, dim=0)
+                                                   for xs in zip(*blocks, strict=True)))
+    if has_bias:
+        fused.bias.data = torch.cat([p.bias.data for p in parts], dim=0)  # type: ignore[union-attr]
+    return fused
 
 
 class Embedding(nn.Module):
@@ -28,3 +166,19 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """hidden → float32 logits, over a weight [vocab, hidden] (the tied embedding table or
+    the model's own head); int8 weight-only when quantized."""
+
+    def __init__(self, weight: torch.Tensor, quantization: str | None):
+        super().__init__()
+        self.quantized = (None if quantization is None
+                          else QUANTIZED_WEIGHTS[quantization](weight, None))
+        self.weight = None if quantization is not None else weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(hidden).float()
+        return F.linear(hidden, self.weight).float()

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -212,9 +212,47 @@ def _convert(
 
     hf_name = f"{prefix}.{block_names[part]}.{kind}"
     weight = _dequantize(tensor.data, tensor)
+    blocks = q4_blocks(tensor)
     if arch in _QK_PERMUTED_ARCHITECTURES and part in ("attn_q", "attn_k"):
-        weight = _unpermute_qk(weight, n_head if part == "attn_q" else n_head_kv)
-    yield hf_name, _fix_norm(weight, hf_name, arch)
+        heads = n_head if part == "attn_q" else n_head_kv
+        weight = _unpermute_qk(weight, heads)
+        if blocks is not None:
+            blocks = Q4Blocks(*(_unpermute_qk(x, heads) for x in blocks))
+    weight = _fix_norm(weight, hf_name, arch)
+    if blocks is not None:
+        weight.q4_blocks = blocks  # type: ignore[attr-defined]  (kept by load_weights)
+    yield hf_name, weight
+
+
+class Q4Blocks(NamedTuple):
+    """A Q4_0 / Q4_1 matrix as its integers: ``w[n, k] = q[n, k] · scale[n, k // 32] +
+    minimum[n, k // 32]`` (exactly what the file stores, for int4 weight-only kernels)."""
+
+    q: torch.Tensor  # uint8 [N, K], values 0..15
+    scale: torch.Tensor  # float32 [N, K / 32]
+    minimum: torch.Tensor  # float32 [N, K / 32]
+
+
+def q4_blocks(tensor: gguf.ReaderTensor) -> Q4Blocks | None:
+    """The integers of a 2-D Q4_0 / Q4_1 tensor (None for any other type)."""
+    kind = tensor.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        return None
+    raw = np.asarray(tensor.data)
+    if raw.ndim != 2:
+        return None
+    with_min = kind == gguf.GGMLQuantizationType.Q4_1
+    size = 20 if with_min else 18
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:] if with_min else blocks[..., 2:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(raw.shape[0], -1)
+    if with_min:
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:  # Q4_0: w = scale · (q − 8)
+        minimum = -8.0 * scale
+    return Q4Blocks(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scale),
+                    torch.from_numpy(np.ascontiguousarray(minimum)))
 
 
 def _dequantize(

@@ -29,7 +29,8 @@ class LoadedModel:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None, cache_dir: str | None = None) -> LoadedModel:
+               max_model_len: int | None, cache_dir: str | None = None,
+               quantization: str | None = None) -> LoadedModel:
     """Resolve, read config/tokenizer, build the model class and load weights into it."""
     source = resolve_model(model, cache_dir)
     if source.kind == "gguf":
@@ -62,6 +63,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     with torch.device(device):
         net = cls(config, dtype, max_positions=max_len)
     net.load_weights(weights)
+    net.prepare(quantization)
     net.eval()
     log.info("loaded %s (%s) from %s", type(net).__name__, dtype, source.path)
     return LoadedModel(net, config, tokenizer, chat_template, frozenset(eos), max_len, source)

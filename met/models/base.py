@@ -11,6 +11,9 @@ from torch import nn
 
 from met.layers.attention import KVCache
 from met.layers.batch import ForwardBatch
+from met.layers.linear import Linear, LMHead
+
+QUANTIZATIONS = ("int8", "int4")
 
 
 class CausalLM(nn.Module, ABC):
@@ -31,6 +34,25 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden rows."""
+
+    def prepare(self, quantization: str | None = None) -> None:
+        """After loading: fuse projections that share an input (q/k/v, gate/up), give the
+        model its LM head, and with ``quantization`` ("int8" or "int4") make every linear
+        layer (and the head) weight-only quantized."""
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or "
+                             f"None, got {quantization!r}")
+        for module in list(self.modules()):
+            fuse = getattr(module, "fuse_projections", None)
+            if fuse is not None:
+                fuse()
+        # The head decides every token and is quantized no coarser than int8.
+        head_quantization = None if quantization is None else "int8"
+        self.lm_head = LMHead(self.lm_head.weight, head_quantization)
+        if quantization is not None:
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.quantize(quantization)
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → parameter name; None skips the tensor. Override to rename."""
@@ -61,6 +83,8 @@ class CausalLM(nn.Module, ABC):
                     f"the model expects {tuple(param.shape)}"
                 )
             param.data.copy_(tensor)
+            # A GGUF Q4 tensor's integers, for an exact int4 weight-only layer later.
+            param.q4_blocks = getattr(tensor, "q4_blocks", None)
             loaded.add(name)
         missing = [n for n in params if n not in loaded and not self._is_tied(n)]
         if missing:

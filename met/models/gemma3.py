@@ -10,11 +10,11 @@ from torch import nn
 
 from met.layers.attention import KVCache, paged_attention
 from met.layers.batch import ForwardBatch
-from met.layers.linear import Embedding, Linear
+from met.layers.linear import Embedding, Linear, LMHead
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding, rope_parameters
 from met.models.base import CausalLM, config_head_dim
-from met.models.llama import MLP, layer_sliding_windows
+from met.models.llama import MLP, fuse_qkv, layer_sliding_windows, project_qkv
 
 
 class Gemma3Attention(nn.Module):
@@ -38,11 +38,12 @@ class Gemma3Attention(nn.Module):
             raise ValueError("attn_logit_softcapping: Gemma-2-style attention softcapping is not "
                              "supported; Gemma 3 checkpoints leave it unset")
 
+    fuse_projections = fuse_qkv
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
         o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window)
         return self.o_proj(o.reshape(t, -1))
@@ -114,7 +115,10 @@ class Gemma3ForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        if isinstance(self.lm_head, LMHead):
+            logits = self.lm_head(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -14,7 +14,7 @@ from torch import nn
 from met.layers.activations import get_activation
 from met.layers.attention import KVCache, paged_attention
 from met.layers.batch import ForwardBatch
-from met.layers.linear import Embedding, Linear
+from met.layers.linear import Embedding, Linear, LMHead, fuse_linears
 from met.layers.moe import SparseMoE
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding, rope_parameters
@@ -31,6 +31,25 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     if getattr(config, "use_sliding_window", True) is False:
         return [None] * n
     return [window] * n
+
+
+def fuse_qkv(attn: nn.Module) -> None:
+    """Replace q_proj, k_proj, v_proj by one ``qkv_proj`` (one matmul per layer)."""
+    attn.qkv_proj = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    del attn.q_proj, attn.k_proj, attn.v_proj
+
+
+def project_qkv(attn: nn.Module, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k and v [T, Hkv, D], from the fused projection once it exists."""
+    t = x.shape[0]
+    hq, hkv, d = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim, attn.head_dim
+    if hasattr(attn, "qkv_proj"):
+        q, k, v = attn.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    return (q.view(t, attn.num_heads, d), k.view(t, attn.num_kv_heads, d),
+            v.view(t, attn.num_kv_heads, d))
 
 
 class Attention(nn.Module):
@@ -53,11 +72,11 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
+    fuse_projections = fuse_qkv
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
@@ -78,7 +97,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
         self.act = get_activation(act)
 
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one ``gate_up_proj`` (one matmul)."""
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -152,6 +179,8 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, LMHead):
+            return self.lm_head(hidden)
         return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
 
     def load_special_weight(self, name, tensor, params):

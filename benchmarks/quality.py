@@ -1,0 +1,70 @@
+"""Quality of the fast paths against the float32 reference, on the same weights.
+
+    python benchmarks/quality.py [--model PATH]
+
+For each path (float32, bfloat16, bfloat16 + int8 weight-only, bfloat16 + int4 weight-only)
+over a fixed English text (this file's TEXT, ~300 tokens): perplexity from prompt logprobs,
+the largest and mean |Δ logprob| of the text's tokens against float32, and whether greedy
+answers to fixed chat prompts match float32's. Prints one JSON line per path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined a screw press with movable metal type, oil-based ink and a mould "
+    "for casting letters quickly. Before that, books in Europe were copied by hand, and a "
+    "single Bible could take a scribe more than a year. Printing spread fast: by 1500 there "
+    "were presses in more than two hundred cities, and millions of books had been printed. "
+    "Cheaper books changed how people learned. Scholars could compare the same text in "
+    "different cities, errors could be corrected in a new edition, and ideas travelled "
+    "further than any messenger. Governments and churches soon tried to control what was "
+    "printed, with licences and lists of forbidden books, but pamphlets still moved across "
+    "borders. In the following centuries newspapers appeared, first as weekly sheets of "
+    "commercial news and later as daily papers read by millions. The steam-powered press of "
+    "the nineteenth century made printing faster again, and paper made from wood pulp made "
+    "it cheaper. Today most text is read on screens, yet the habits the press created, such "
+    "as standard spelling, page numbers and the idea of an author, are still with us."
+)
+CHATS = ["What is the capital of France?", "Name three primary colors.",
+         "Write one sentence about the moon.", "What is 12 times 12?"]
+PATHS = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")]
+
+
+def main() -> None:
+    from met import LLM, SamplingParams
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    reference: dict = {}
+    for dtype, quant in PATHS:
+        llm = LLM(args.model, dtype=dtype, quantization=quant, max_model_len=2048)
+        ids = llm.tokenizer(TEXT)["input_ids"]
+        out = llm.generate({"prompt_token_ids": ids},
+                           SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        lps = [entry[t] for t, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
+        answers = [o.outputs[0].text for o in llm.chat(
+            [[{"role": "user", "content": c}] for c in CHATS],
+            SamplingParams(max_tokens=32, temperature=0.0))]
+        row = {"dtype": dtype, "quantization": quant, "tokens": len(ids),
+               "perplexity": round(math.exp(-sum(lps) / len(lps)), 4)}
+        if not reference:
+            reference = {"lps": lps, "answers": answers}
+        else:
+            diffs = [abs(a - b) for a, b in zip(lps, reference["lps"], strict=True)]
+            row |= {"max_abs_dlogprob": round(max(diffs), 4),
+                    "mean_abs_dlogprob": round(sum(diffs) / len(diffs), 4),
+                    "greedy_answers_equal_float32": sum(
+                        a == b for a, b in zip(answers, reference["answers"], strict=True)),
+                    "answers": answers}
+        print(json.dumps(row), flush=True)
+        del llm
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Weight-only int8 / int4 linear layers: both kernels (few rows, many rows) compute the
+same product of the same integers, the quantization error is bounded, GGUF Q4 integers are
+used exactly, and fused projections equal the separate ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from met.layers.linear import (
+    INT4_GEMV_MAX_ROWS,
+    INT8_GEMV_MAX_ROWS,
+    Int4Weight,
+    Int8Weight,
+    Linear,
+    fuse_linears,
+)
+from met.loader.gguf import Q4Blocks
+
+
+def _linear(n=96, k=128, bias=False, seed=0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = Linear(k, n, bias, torch.float32)
+    lin.weight.data = torch.randn(n, k, generator=g) * 0.05
+    if bias:
+        lin.bias.data = torch.randn(n, generator=g)
+    return lin
+
+
+def _x(rows, k=128, seed=1):
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+
+
+def test_int8_error_is_at_most_half_a_step_per_weight():
+    lin = _linear()
+    q = Int8Weight(lin.weight, None)
+    err = (q.dequantized() - lin.weight).abs()
+    step = q.scale.float()[:, None]
+    assert (err <= step * 0.5 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
+def test_few_and_many_rows_agree(kind):
+    """A row gives (nearly) the same output through the GEMV kernel and the bf16 path."""
+    lin = _linear(bias=True)
+    q = kind(lin.weight, lin.bias)
+    limit = INT8_GEMV_MAX_ROWS if kind is Int8Weight else INT4_GEMV_MAX_ROWS
+    x = _x(limit + 12).bfloat16()
+    many = q(x).float()
+    few = torch.cat([q(x[i:i + 1]) for i in range(len(x))]).float()
+    assert torch.allclose(few, many, atol=2e-2, rtol=2e-2)
+    exact = x.float() @ lin.weight.T + lin.bias
+    tol = 0.1 if kind is Int4Weight else 0.03  # 16 vs 255 levels
+    assert (many - exact).abs().max() < tol * exact.abs().max()
+
+
+def test_int4_uses_gguf_q4_integers_exactly():
+    n, k = 32, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    # Scales and minimums that bfloat16 holds exactly, so nothing is rounded on the way.
+    scale = torch.randint(1, 64, (n, k // 32), generator=g).float() / 256
+    minimum = -torch.randint(0, 64, (n, k // 32), generator=g).float() / 32
+    w = q.float() * scale.repeat_interleave(32, 1) + minimum.repeat_interleave(32, 1)
+    weight = w.clone()
+    weight.q4_blocks = Q4Blocks(q, scale, minimum)
+    layer = Int4Weight(weight, None)
+    # The file's values (rounded once to bfloat16), not a min/max re-fit.
+    assert torch.equal(layer.weight_bf16, w.to(torch.bfloat16))
+    x = _x(1, k).bfloat16()
+    assert torch.allclose(layer(x).float(), x.float() @ w.T, atol=1e-2, rtol=1e-2)
+
+
+def test_fused_projection_equals_the_separate_ones():
+    parts = [_linear(n, bias=True, seed=i) for i, n in enumerate((64, 32, 32))]
+    x = _x(5)
+    fused = fuse_linears(parts)
+    assert torch.allclose(fused(x), torch.cat([p(x) for p in parts], dim=-1), atol=1e-5)
+
+
+def test_linear_quantize_swaps_its_weights():
+    lin = _linear(bias=True)
+    ref = lin(_x(3))
+    lin.quantize("int8")
+    assert lin.weight is None and isinstance(lin.quantized, Int8Weight)
+    out = lin(_x(3))
+    assert out.dtype == torch.float32  # the caller's activation dtype comes back
+    assert torch.allclose(out, ref, atol=0.05 * ref.abs().max())
