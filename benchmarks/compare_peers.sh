@@ -9,7 +9,7 @@
 # vLLM loads a bf16 HF directory converted from the same GGUF (done here if missing).
 #
 # Settings (environment): CONCURRENCY (1,4,16,32,64) ISL (110) OSL (128) REPS (1) WARMUP (2)
-# ENGINES ("met llama-server vllm"; also met-fp32) MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
+# ENGINES ("met llama-server vllm"; also met-fp32, met-int8, met-int4) MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
 # OUT (.benchmarks/peers/<date>-<sha>) PEERS (~/.cache/met-peers) PEER_SCRIPTS (../shared/peers)
 # Smoke run: CONCURRENCY=1 REPS=1 OSL=8 WARMUP=0 bash benchmarks/compare_peers.sh
 set -euo pipefail
@@ -58,11 +58,13 @@ start() {  # engine port: starts it in the background, sets server_pid
   local engine=$1 port=$2
   log=$OUT/$engine.server.log
   case $engine in
-    met|met-fp32)
-      local dtype=$MET_DTYPE; [ "$engine" = met-fp32 ] && dtype=float32
-      echo "+ $PY -m met.cli serve $GGUF --dtype $dtype --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
-      "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" --max-model-len 2048 --max-num-seqs 64 \
-        --served-model-name peer --port "$port" >"$log" 2>&1 &
+    met|met-fp32|met-int8|met-int4)
+      local dtype=$MET_DTYPE quant=()
+      [ "$engine" = met-fp32 ] && dtype=float32
+      case $engine in met-int8) quant=(--quantization int8) ;; met-int4) quant=(--quantization int4) ;; esac
+      echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
+      "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" --max-model-len 2048 \
+        --max-num-seqs 64 --served-model-name peer --port "$port" >"$log" 2>&1 &
       ;;
     llama-server)
       [ -x "$PEERS/llama-server/llama-server" ] || { echo "build it: bash $PEER_SCRIPTS/llama-server.sh" >&2; return 1; }
@@ -75,7 +77,7 @@ start() {  # engine port: starts it in the background, sets server_pid
       echo "+ bash $PEER_SCRIPTS/vllm-cpu.sh serve $VLLM_MODEL $port"
       bash "$PEER_SCRIPTS/vllm-cpu.sh" serve "$VLLM_MODEL" "$port" >"$log" 2>&1 &
       ;;
-    *) echo "unknown engine $engine (met, met-fp32, llama-server, vllm)" >&2; return 1 ;;
+    *) echo "unknown engine $engine (met, met-fp32, met-int8, met-int4, llama-server, vllm)" >&2; return 1 ;;
   esac
   server_pid=$!
 }
