@@ -49,3 +49,15 @@ async def metric(client: httpx.AsyncClient, name: str) -> float:
         if not line.startswith("#") and key.partition("{")[0] == name:
             total += float(value)
     return total
+
+
+async def settled(client: httpx.AsyncClient, timeout: float = 30.0) -> tuple[float, float]:
+    """(running requests, KV blocks in use) once both reach 0 (aborts land a step later),
+    or as they are at ``timeout``."""
+    for _ in range(int(timeout / 0.05)):
+        left = (await metric(client, "met_requests_running"),
+                await metric(client, "met_kv_blocks_used"))
+        if left == (0, 0):
+            break
+        await asyncio.sleep(0.05)
+    return left

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 from chat_templates import QWEN3_STYLE_TEMPLATE
-from in_process import metric, run_with_app
+from in_process import run_with_app, settled
 from serve_harness import wait_until
 from tiny_models import load_tokenizer
 
@@ -361,7 +361,7 @@ def test_a_failure_mid_stream_is_an_error_event(ckpt, monkeypatch):
     async def work(c):
         streamed = await c.post("/v1/messages", json={**body, "stream": True})
         plain = await c.post("/v1/messages", json=body)
-        left = (await metric(c, "met_requests_running"), await metric(c, "met_kv_blocks_used"))
+        left = await settled(c)
         return streamed, plain, left
 
     streamed, plain, left = run_with_app(ckpt, QWEN3_STYLE_TEMPLATE, work)

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 from chat_templates import QWEN3_STYLE_TEMPLATE
-from in_process import metric, run_with_app
+from in_process import run_with_app, settled
 from serve_harness import wait_until
 
 from met.api.context import ServerConfig
@@ -325,7 +325,7 @@ def test_a_failure_mid_stream_is_an_error_event(ckpt, monkeypatch):
         plain = await c.post("/v1/responses", json=body)
         rid = json.loads(streamed.text.split("\n")[1].removeprefix("data: "))["response"]["id"]
         stored = await c.get(f"/v1/responses/{rid}")
-        left = (await metric(c, "met_requests_running"), await metric(c, "met_kv_blocks_used"))
+        left = await settled(c)
         return streamed, plain, stored, left
 
     streamed, plain, stored, left = run_with_app(ckpt, QWEN3_STYLE_TEMPLATE, work)

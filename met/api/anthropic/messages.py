@@ -14,13 +14,12 @@ from met.api.context import read_json, server_context
 from met.api.openai.chat import feed_choice, render_chat_request, start_chat
 from met.api.openai.common import respond, stream_events
 from met.api.sse import SSEResponse, sse_event
+from met.serving.anthropic_output import MessageBuilder, stop_reason
 from met.serving.anthropic_protocol import (
     FIELD_NAMES,
     RENAMES,
     CountTokensRequest,
-    MessageBuilder,
     MessagesRequest,
-    stop_reason,
     to_chat_request,
 )
 from met.serving.errors import InvalidRequest

@@ -22,10 +22,10 @@ from met.serving.errors import InvalidRequest
 from met.serving.field_names import renamed
 from met.serving.generate import ChoiceDelta, Generation
 from met.serving.protocol import parse_body
+from met.serving.responses_output import ResponseBuilder
 from met.serving.responses_protocol import (
     FIELD_NAMES,
     RENAMES,
-    ResponseBuilder,
     ResponsesRequest,
     input_items,
     to_chat_request,
