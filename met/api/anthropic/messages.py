@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -101,7 +102,8 @@ def _usage(gen: Generation) -> dict[str, int]:
 
 
 def _stream(gen: Generation, message: dict[str, Any], builder: MessageBuilder,
-            feed: Any, finish: Any):
+            feed: Callable[[ChoiceDelta], list[dict[str, Any]]],
+            finish: Callable[[ChoiceDelta], dict[str, Any]]) -> AsyncIterator[str]:
     """message_start, the blocks' start / delta / stop events (a ping after the first
     start), message_delta with the stop reason and usage, message_stop; on a failure an
     ``error`` event ends the stream."""

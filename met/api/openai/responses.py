@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -149,7 +150,7 @@ class _ResponseRun:
         return self.body
 
 
-def _stream(resp: _ResponseRun):
+def _stream(resp: _ResponseRun) -> AsyncIterator[str]:
     """response.created, response.in_progress, the items' events, then response.completed
     (or response.incomplete); a failure sends ``error`` and ``response.failed``."""
     counter = itertools.count()
