@@ -8,7 +8,8 @@ messages (before the user's text); assistant ``tool_use`` blocks become tool cal
 ``thinking`` blocks the message's reasoning; ``tool_choice`` ``any`` is OpenAI's
 ``required``, ``tool`` a named choice; ``thinking`` enabled turns the template's
 ``enable_thinking`` on with ``budget_tokens`` as the engine's thinking budget (omitted or
-disabled: off, as Anthropic's default).
+disabled: off, as Anthropic's default); ``output_config.format`` is a json_schema
+``response_format``.
 """
 
 from __future__ import annotations
@@ -16,20 +17,22 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from met.serving.errors import InvalidRequest
 from met.serving.field_names import model_field_names
 from met.serving.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    JsonSchemaFormat,
     MessageToolCall,
     MessageToolCallFunction,
+    ResponseFormat,
 )
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
 class ContentBlock(_Body):
@@ -77,6 +80,18 @@ class Metadata(_Body):
     user_id: str | None = None  # accepted, unused
 
 
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    """Structured output: ``{"format": {"type": "json_schema", "schema": {...}}}``."""
+
+    format: OutputFormat | None = None
+    effort: str | None = None  # accepted; thinking is asked for with ``thinking``
+
+
 class CountTokensRequest(_Body):
     """``POST /v1/messages/count_tokens``: what the prompt is made of."""
 
@@ -97,11 +112,12 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
     stream: bool = False
 
 
 FIELD_NAMES = model_field_names(ContentBlock, InputMessage, Tool, ToolChoice, ThinkingConfig,
-                                Metadata, MessagesRequest)
+                                Metadata, OutputFormat, OutputConfig, MessagesRequest)
 
 # Internal chat-request fields → the Anthropic fields they came from (for 400s).
 RENAMES = (
@@ -112,6 +128,8 @@ RENAMES = (
     (r"thinking_token_budget", "thinking.budget_tokens"),
     (r"stop", "stop_sequences"),
     (r"max_completion_tokens", "max_tokens"),
+    (r"response_format\.json_schema\.schema", "output_config.format.schema"),
+    (r"response_format", "output_config.format"),
 )
 
 
@@ -127,6 +145,10 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       stream=req.stream)
+        fmt = req.output_config.format if req.output_config else None
+        if fmt is not None:
+            fields["response_format"] = ResponseFormat(
+                type="json_schema", json_schema=JsonSchemaFormat(schema=fmt.schema_))
     return ChatCompletionRequest(**fields)
 
 

@@ -123,6 +123,18 @@ def test_stop_sequence_ends_the_message_there(claude):
     assert m.content[0].text == text[:text.index(stop)]
 
 
+def test_output_format_holds_the_text_to_a_schema_and_ends_the_turn(claude):
+    yes_no = {"format": {"type": "json_schema", "schema": {"enum": ["yes", "no"]}}}
+    m = claude.messages.create(model="tiny", max_tokens=40, messages=USER, extra_body=GREEDY,
+                               output_config=yes_no)
+    assert m.stop_reason == "end_turn" and m.stop_sequence is None
+    assert json.loads(m.content[0].text) in ("yes", "no")
+    with claude.messages.stream(model="tiny", max_tokens=40, messages=USER, extra_body=GREEDY,
+                                output_config=yes_no) as stream:
+        final = stream.get_final_message()
+    assert _blocks(final) == _blocks(m) and final.stop_reason == "end_turn"
+
+
 def test_stream_events_come_in_anthropic_order(http):
     body = {"model": "tiny", "max_tokens": 6, "messages": USER, "temperature": 0,
             "stream": True}
@@ -287,6 +299,9 @@ def _error(r: httpx.Response, status: int, kind: str) -> str:
       "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"max_tokens": 8, "messages": USER, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 8, "messages": USER, "stop_sequences": [""]}, "stop_sequences"),
+    ({"max_tokens": 8, "messages": USER, "output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object", "properties": 5}}}},
+     "output_config.format.schema"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "content": "x"}]}]}, "messages.0.content.0.tool_use_id"),
 ])
