@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from met.api.anthropic.errors import ANTHROPIC_PATH_PREFIX
+from met.api.anthropic.errors import error_response as anthropic_error_response
 from met.serving.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -61,13 +63,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Under Anthropic's path, even an unknown route answers in Anthropic's shape.
+        reply = (anthropic_error_response
+                 if request.url.path.startswith(ANTHROPIC_PATH_PREFIX) else error_response)
         if e.status_code == 404:
             msg = f"{request.method} {request.url.path}: no such route"
-            return error_response(404, msg, None, "not_found")
+            return reply(404, msg, None, "not_found")
         if e.status_code == 405:
             msg = f"{request.method} {request.url.path}: method not allowed"
-            return error_response(405, msg, None, "method_not_allowed", e.headers)
-        return error_response(e.status_code, str(e.detail), None, None, e.headers)
+            return reply(405, msg, None, "method_not_allowed", e.headers)
+        return reply(e.status_code, str(e.detail), None, None, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -311,6 +311,13 @@ def test_bad_input_is_a_400_naming_the_field(http, body, field):
     assert msg.startswith(field + ":"), msg
 
 
+def test_unknown_routes_under_messages_answer_in_anthropic_shape(http):
+    _error(http.post("/v1/messages/batches", json={}), 404, "not_found_error")
+    _error(http.get("/v1/messages"), 405, "invalid_request_error")
+    r = http.get("/v1/nope")  # elsewhere: OpenAI's shape
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
 def test_sdk_raises_typed_errors(claude):
     with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="claude-opus", max_tokens=8, messages=USER)

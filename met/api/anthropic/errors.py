@@ -1,20 +1,14 @@
 """Anthropic-shaped errors, ``{"type": "error", "error": {"type", "message"}}``, for the
-/v1/messages routes only (the OpenAI routes keep OpenAI's shape)."""
+/v1/messages routes only (the OpenAI routes keep OpenAI's shape). ``AnthropicRoute``
+(``routing.py``) answers the routes' own errors so; the app's 404/405 handler and the
+API-key middleware check ``ANTHROPIC_PATH_PREFIX``."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
-
-from met.api.errors import ApiError
-from met.serving.errors import InvalidRequest
-
-log = logging.getLogger("met.api")
+from fastapi.responses import JSONResponse
 
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
@@ -40,23 +34,3 @@ def error_response(status: int, message: str, param: str | None = None,
     """The error as a response (same signature as ``met.api.errors.error_response``)."""
     return JSONResponse(error_body(status, message), status_code=status,
                         headers=dict(headers or {}))
-
-
-class AnthropicRoute(APIRoute):
-    """A route whose errors (ours, and anything unexpected) answer in Anthropic's shape."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ApiError as e:
-                return error_response(e.status, e.message, headers=e.headers)
-            except InvalidRequest as e:
-                return error_response(e.status, e.message)
-            except Exception:
-                log.exception("unhandled error in %s %s", request.method, request.url.path)
-                return error_response(500, "internal server error")
-
-        return handle

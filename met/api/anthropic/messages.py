@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from met.api.anthropic.errors import AnthropicRoute, error_body, error_response
+from met.api.anthropic.errors import error_body, error_response
+from met.api.anthropic.routing import AnthropicRoute
 from met.api.context import read_json, server_context
 from met.api.openai.chat import feed_choice, render_chat_request, start_chat
 from met.api.openai.common import respond, stream_events
