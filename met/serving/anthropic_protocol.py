@@ -9,7 +9,7 @@ messages (before the user's text); assistant ``tool_use`` blocks become tool cal
 ``required``, ``tool`` a named choice; ``thinking`` enabled turns the template's
 ``enable_thinking`` on with ``budget_tokens`` as the engine's thinking budget (omitted or
 disabled: off, as Anthropic's default); ``output_config.format`` is a json_schema
-``response_format``.
+``response_format``; a final assistant message with text is a prefill the model continues.
 """
 
 from __future__ import annotations
@@ -135,7 +135,14 @@ RENAMES = (
 
 def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that serves ``req`` (a MessagesRequest, or a count_tokens body)."""
-    fields: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
+    messages = _messages(req)
+    fields: dict[str, Any] = {"model": req.model, "messages": messages}
+    last = messages[-1]
+    if last.role == "assistant" and last.content and not last.tool_calls:
+        # A prefilled reply: the model continues the assistant's text (the template renders
+        # it unclosed), and the response holds only what it adds.
+        fields.update(add_generation_prompt=False,
+                      chat_template_kwargs={"continue_final_message": True})
     if req.tools:
         fields["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:

@@ -135,6 +135,19 @@ def test_output_format_holds_the_text_to_a_schema_and_ends_the_turn(claude):
     assert _blocks(final) == _blocks(m) and final.stop_reason == "end_turn"
 
 
+def test_a_final_assistant_message_is_a_prefill_the_model_continues(claude, oai, ckpt):
+    history = [*USER, {"role": "assistant", "content": "The answer is"}]
+    tok = load_tokenizer(ckpt)
+    text = tok.apply_chat_template(history, chat_template=QWEN3_STYLE_TEMPLATE, tokenize=False,
+                                   continue_final_message=True)
+    assert text.endswith("The answer is")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert claude.messages.count_tokens(model="tiny", messages=history).input_tokens == len(ids)
+    m = claude.messages.create(model="tiny", max_tokens=6, messages=history, extra_body=GREEDY)
+    continued = oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    assert m.content[0].text == continued.choices[0].text
+
+
 def test_stream_events_come_in_anthropic_order(http):
     body = {"model": "tiny", "max_tokens": 6, "messages": USER, "temperature": 0,
             "stream": True}
