@@ -54,7 +54,7 @@ async def create_message(request: Request) -> Response:
                "model": req.model, "content": [], "stop_reason": None, "stop_sequence": None}
 
     def finish(d: ChoiceDelta) -> dict[str, Any]:
-        """The message's ending: stop reason and usage."""
+        """The message's ending: its stop reason and stop sequence."""
         reason, sequence = stop_reason(d.finish_reason, gen.choices[0].stop_reason,
                                        builder.called_tools)
         return {"stop_reason": reason, "stop_sequence": sequence}
