@@ -24,13 +24,24 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
     return ok
 
 
-def presented_key(headers: dict[bytes, bytes]) -> str | None:
-    """The key a request presents: ``Authorization: Bearer KEY``, else ``x-api-key``."""
+def presented_keys(headers: dict[bytes, bytes]) -> list[str]:
+    """The keys a request presents: ``Authorization: Bearer KEY`` and ``x-api-key: KEY``."""
+    out = []
     scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
+        out.append(token.strip())
     key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
-    return key or None
+    if key:
+        out.append(key)
+    return out
+
+
+def valid_key(headers: dict[bytes, bytes], keys: tuple[str, ...]) -> str | None:
+    """The presented key that is one of ``keys`` (either header may carry it), or None."""
+    for key in presented_keys(headers):
+        if key_matches(key, keys):
+            return key
+    return None
 
 
 class ApiKeyMiddleware:
@@ -46,8 +57,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        key = presented_key(headers)
-        if key is not None and key_matches(key, self.keys):
+        if valid_key(headers, self.keys) is not None:
             await self.app(scope, receive, send)
             return
         given = b"authorization" in headers or b"x-api-key" in headers

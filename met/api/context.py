@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from met.api.auth import presented_key
+from met.api.auth import valid_key
 from met.api.errors import ApiError
 from met.api.metrics import ServerMetrics
 from met.api.ratelimit import RateLimiter
@@ -220,7 +220,7 @@ def rate_limit_key(request: Request, config: ServerConfig) -> str:
     """Whom a rate limit counts against: the API key when the server has keys (hashed, so
     the table never holds the keys themselves), else the client's address."""
     if config.api_keys:
-        key = presented_key(dict(request.scope["headers"]))
+        key = valid_key(dict(request.scope["headers"]), config.api_keys)
         if key is not None:
             return "key:" + hashlib.sha256(key.encode()).hexdigest()[:24]
     return "addr:" + (request.client.host if request.client else "unknown")

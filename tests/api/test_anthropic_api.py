@@ -349,7 +349,8 @@ def test_oversized_body_is_413_request_too_large(http):
 
 def test_x_api_key_and_bearer_both_authenticate(server):
     body = {"model": "tiny", "max_tokens": 2, "messages": USER}
-    for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}):
+    for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"},
+                    {"Authorization": "Bearer proxy-token", "x-api-key": KEY}):
         assert httpx.post(server.url + "/v1/messages", json=body, headers=headers,
                           timeout=60).status_code == 200
     chat = {"model": "tiny", "max_tokens": 2, "messages": USER}
