@@ -50,6 +50,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # long [T]: flat KV slot (block * block_size + offset) per token
     seqs: tuple[SeqSpan, ...]
     _window_plans: dict = field(default_factory=dict, compare=False, repr=False)
+    # Per-step values layers share (e.g. rotary cos/sin at these positions), by key.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def window_plan(self, window: int | None) -> WindowPlan:
         """The attention plan for layers with this sliding window (None = full attention).

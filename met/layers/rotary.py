@@ -54,12 +54,31 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        memo: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        cos, sin = self.cos_sin(positions, q.dtype, memo)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, memo: dict | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] at ``positions``; ``memo`` (the step's) keeps them for the
+        other layers that share this rotary."""
+        key = (id(self), dtype)
+        if memo is not None and key in memo:
+            return memo[key]
+        out = (self.cos[positions].to(dtype).unsqueeze(1),
+               self.sin[positions].to(dtype).unsqueeze(1))
+        if memo is not None:
+            memo[key] = out
+        return out
+
+    def apply_(self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None
+               ) -> torch.Tensor:
+        """Rope on the heads of one tensor [T, H, D] (e.g. q and k side by side)."""
+        cos, sin = self.cos_sin(positions, x.dtype, memo)
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
