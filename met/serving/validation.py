@@ -317,8 +317,9 @@ def check_beam_fields(req: SamplingFields) -> None:
         raise InvalidRequest("logprobs: not available with beam search (num_beams > 1)",
                              "logprobs")
     for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                  "guided_choice", "guided_grammar"):
-        value = getattr(req, name)
+                 "guided_choice", "guided_grammar", "tools", "thinking_token_budget",
+                 "max_thinking_tokens", "thinking_budget", "reasoning_effort"):
+        value = getattr(req, name, None)
         if value is not None and not (name == "response_format" and value.type == "text"):
             raise InvalidRequest(f"{name}: not available with beam search (num_beams > 1)",
                                  name)

@@ -64,3 +64,16 @@ def test_bad_beam_requests_are_400(http, body, param):
                                            **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object"}}}]}, "tools"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+])
+def test_chat_fields_beams_cannot_honour_are_400(http, body, param):
+    r = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        "num_beams": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
