@@ -53,6 +53,9 @@ class CausalLM(nn.Module, ABC):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.quantize(quantization)
+        for param in self.parameters():  # the GGUF integers were needed only for int4
+            if getattr(param, "q4_blocks", None) is not None:
+                param.q4_blocks = None
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → parameter name; None skips the tensor. Override to rename."""
