@@ -35,7 +35,8 @@ def run_met(args, llm, prompts) -> dict:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - start
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"engine": "met", "dtype": args.dtype, "seconds": elapsed, "output_tokens": n_out,
+    return {"engine": "met", "dtype": args.dtype, "quantization": args.quantization,
+            "seconds": elapsed, "output_tokens": n_out,
             "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_out + len(prompts) * args.isl) / elapsed}
 
@@ -80,11 +81,13 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
     args = p.parse_args()
 
     from met import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.isl + args.osl + 16,
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+              max_model_len=args.isl + args.osl + 16,
               max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts = _prompts(args.num_prompts, args.isl, llm.engine.loaded.hf_config.vocab_size)
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
