@@ -131,7 +131,14 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stream: OutputStream) -> None:
-        """Queue a request whose updates go to ``stream``. Validate before calling this."""
+        """Queue a request whose updates go to ``stream``. Validate before calling this.
+        When the engine faulted or stopped in the meantime, the stream gets the failure
+        (the client an error naming the reason), as every request in flight did."""
+        if self.state in (EngineState.FAULTED, EngineState.STOPPED):
+            why = (f"engine faulted: {self.fault_reason}" if self.state == EngineState.FAULTED
+                   else "the server is shutting down")
+            stream.put(RequestFailed(request_id, why, False))
+            return
         if self.state != EngineState.READY:
             raise RuntimeError(f"engine is {self.state}")
         if request_id in self._streams:

@@ -49,6 +49,25 @@ def assert_openai_error(body: dict, status: int) -> dict:
     return err
 
 
+def assert_failed_by_fault(r: httpx.Response, reason: str) -> bool:
+    """A request caught by an engine fault: True when it was in flight (an error event
+    after a 200, or a 500), False when it arrived after the fault (a 503)."""
+    if r.status_code == 503:  # a slow machine: it came in after the engine had faulted
+        err = assert_openai_error(r.json(), 503)
+        assert err["code"] == "engine_faulted" and reason in err["message"]
+        return False
+    if r.headers["content-type"].startswith("text/event-stream"):
+        assert r.status_code == 200
+        _, finish, error = stream_result(r)
+        assert error is not None and "engine" in error["message"]
+        assert finish is None  # no choice pretended to finish normally
+        assert_openai_error({"error": error}, 500)
+        return True
+    assert r.status_code == 500
+    assert "engine" in assert_openai_error(r.json(), 500)["message"]
+    return True
+
+
 async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT) as c:
         return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
@@ -135,14 +154,7 @@ def test_engine_loop_fault_fails_every_request_and_faults_health(in_process_serv
     long = {**BODY, "max_tokens": 200}
     bodies = [{**long, "stream": True}] * 4 + [long] * 2
     responses = asyncio.run(post_all(server.url, bodies))  # CLIENT_TIMEOUT: never a hang
-    for r in responses[:4]:
-        assert r.status_code == 200
-        _, finish, error = stream_result(r)
-        assert error is not None and "device lost" in error["message"]
-        assert finish is None  # no choice pretended to finish normally
-    for r in responses[4:]:
-        assert r.status_code == 500
-        assert "device lost" in assert_openai_error(r.json(), 500)["message"]
+    assert sum(assert_failed_by_fault(r, "device lost") for r in responses) >= 1
 
     health = httpx.get(server.url + "/health")
     assert health.status_code == 503
@@ -172,11 +184,7 @@ def test_engine_fault_while_requests_wait_in_the_queue(in_process_server, monkey
     monkeypatch.setattr(EngineCore, "step", step)
     bodies = [{**BODY, "max_tokens": 100, "stream": stream}] * 5
     responses = asyncio.run(post_all(server.url, bodies))
-    for r in responses:
-        if stream:
-            assert r.status_code == 200 and stream_result(r)[2] is not None
-        else:
-            assert r.status_code == 500
+    assert sum(assert_failed_by_fault(r, "simulated loop crash") for r in responses) >= 1
     assert httpx.get(server.url + "/health").json()["status"] == "faulted"
 
 
@@ -199,3 +207,21 @@ def test_constraints_that_leave_no_token_are_the_requests_fault(in_process_serve
         assert "dead end" in assert_openai_error(r.json(), 400)["message"]
     ok = httpx.post(server.url + "/v1/completions", json=BODY, timeout=CLIENT_TIMEOUT)
     assert ok.status_code == 200
+
+
+def test_a_request_that_races_the_fault_gets_the_fault_as_its_error():
+    """Validated while the engine was healthy, added just after it faulted: the request
+    gets the same error as those in flight (not an internal error, not a hang)."""
+    from met.engine.async_engine import AsyncEngine, EngineState, OutputStream, RequestFailed
+    from met.sampling.params import SamplingParams
+
+    async def main():
+        engine = AsyncEngine(lambda: None)  # never started: its state is set by hand
+        engine.state, engine.fault_reason = EngineState.FAULTED, "engine loop crashed: boom"
+        stream = OutputStream()
+        engine.add_request("r1", [1, 2], SamplingParams(max_tokens=2), stream)
+        item = await stream.get(timeout=1)
+        assert isinstance(item, RequestFailed) and "boom" in item.message
+        assert engine.num_in_flight == 0
+
+    asyncio.run(main())
