@@ -49,8 +49,8 @@ class ForwardBatch:
     positions: torch.Tensor  # long [T]
     slot_mapping: torch.Tensor  # long [T]: flat KV slot (block * block_size + offset) per token
     seqs: tuple[SeqSpan, ...]
-    _window_plans: dict = field(default_factory=dict, compare=False, repr=False)
-    # Per-step values layers share (e.g. rotary cos/sin at these positions), by key.
+    # Per-step values the layers share (attention plans per window, rotary cos/sin at these
+    # positions), by key: computed by the first layer that needs them.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def window_plan(self, window: int | None) -> WindowPlan:
@@ -58,10 +58,10 @@ class ForwardBatch:
 
         Keys older than the window of a sequence's first query are dropped from its slots.
         """
-        plan = self._window_plans.get(window)
+        key = ("window_plan", window)
+        plan = self.memo.get(key)
         if plan is None:
-            plan = _build_plan(self.seqs, window)
-            self._window_plans[window] = plan
+            plan = self.memo[key] = _build_plan(self.seqs, window)
         return plan
 
 

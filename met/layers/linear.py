@@ -1,18 +1,18 @@
 """Linear layers: plain, fused (q/k/v, gate/up), and int8 / int4 weight-only.
 
-Int8 weight-only (``quantize_int8``): each output channel's weights become int8 with one
-scale (symmetric, scale = max|w| / 127); activations stay bfloat16. The kernel depends on the
-number of rows: up to ``INT8_GEMV_MAX_ROWS`` rows go through torch's int8 weight-only
-kernel (it reads a quarter of float32's bytes, and decode at low concurrency is memory
-bound); more rows multiply by the same integers held as bfloat16 (exact: |q| <= 127) on the
-bfloat16 matrix units. Both round ``x · q`` to bfloat16 and then scale it, so a row's result
-does not depend on which kernel its batch picked (measured: 99.997 % of outputs bitwise
-equal, the rest one ulp apart from the accumulation order).
+Int8 weight-only (``Linear.quantize("int8")``): each output channel's weights become int8
+with one scale (symmetric, scale = max|w| / 127); activations stay bfloat16. The kernel
+depends on the number of rows: up to ``GEMV_MAX_ROWS`` rows go through torch's int8
+weight-only kernel (it reads a quarter of float32's bytes, and decode at low concurrency is
+memory bound); more rows multiply by the same integers held as bfloat16 (exact: |q| <= 127)
+on the bfloat16 matrix units. Both round ``x · q`` to bfloat16 and then scale it, so a row's
+result does not depend on which kernel its batch picked (measured: 99.997 % of outputs
+bitwise equal, the rest one ulp apart from the accumulation order).
 
-Int4 weight-only (``quantize_int4``): groups of 32 weights along the input dimension get a
-scale and a minimum (asymmetric, 16 levels: the layout of GGUF's Q4_1 blocks), run by
-torch's int4 weight-only kernel for few rows and as bfloat16 weights dequantized from the
-same integers for many.
+Int4 weight-only (``Linear.quantize("int4")``): groups of 32 weights along the input
+dimension get a scale and a minimum (asymmetric, 16 levels: the layout of GGUF's Q4_1
+blocks), run by torch's int4 weight-only kernel for few rows and as bfloat16 weights
+dequantized from the same integers for many.
 """
 
 from __future__ import annotations
@@ -23,11 +23,36 @@ from torch import nn
 
 # Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
 # (docs/benchmarks.md: measured per layer shape of the embedded model).
-INT8_GEMV_MAX_ROWS = 4
-INT4_GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS = 4
 
 
-class Int8Weight(nn.Module):
+class _WeightOnly(nn.Module):
+    """Shared by the weight-only layers: flatten to rows of bfloat16, pick the kernel by the
+    number of rows (``_gemv`` up to GEMV_MAX_ROWS on the CPU, ``_gemm`` above), add the bias.
+    Subclasses set ``bias`` and ``out_features``."""
+
+    bias: torch.Tensor | None
+    out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if x2.shape[0] <= GEMV_MAX_ROWS and x2.device.type == "cpu":
+            y = self._gemv(x2.contiguous())
+        else:
+            y = self._gemm(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Weight(_WeightOnly):
     """int8 [N, K] weights with per-output-channel scales; ``forward(x)`` = x Wᵀ (+ bias)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -45,19 +70,13 @@ class Int8Weight(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         self.out_features, self.in_features = q.shape
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        # Both paths round x·q to bfloat16 and then multiply by the scale, so a row's result
-        # is the same whichever path its batch takes (up to the rare accumulation-order ulp).
-        if x2.shape[0] <= INT8_GEMV_MAX_ROWS and x2.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.ones)
-        else:
-            y = F.linear(x2, self.qweight_bf16)
-        y = y * self.scale
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+    # Both paths round x·q to bfloat16 and then multiply by the scale, so a row's result is
+    # the same whichever path its batch takes (up to the rare accumulation-order ulp).
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.ones) * self.scale
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.qweight_bf16) * self.scale
 
     def dequantized(self) -> torch.Tensor:
         """The weights these integers stand for, float32 [N, K]."""
@@ -67,7 +86,7 @@ class Int8Weight(nn.Module):
 INT4_GROUP = 32
 
 
-class Int4Weight(nn.Module):
+class Int4Weight(_WeightOnly):
     """int4 [N, K] weights in groups of 32 along K, each with a scale and a minimum;
     ``forward(x)`` = x Wᵀ (+ bias)."""
 
@@ -100,17 +119,12 @@ class Int4Weight(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         self.out_features, self.in_features = n, k
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if x2.shape[0] <= INT4_GEMV_MAX_ROWS and x2.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed,
-                                                           INT4_GROUP, self.scales_zeros)
-        else:
-            y = F.linear(x2, self.weight_bf16)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP,
+                                                          self.scales_zeros)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_bf16)
 
 
 QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight}

@@ -79,18 +79,16 @@ class Attention(nn.Module):
         if self.q_norm is None and hasattr(self, "qkv_proj"):
             # q and k side by side in the fused output: one rope over both.
             qkv = self.qkv_proj(x)
-            hq, hkv = self.num_heads, self.num_kv_heads
-            d = self.head_dim
+            hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             qk = self.rotary.apply_(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d),
                                     batch.positions, batch.memo)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-            o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.sliding_window)
-            return self.o_proj(o.reshape(t, -1))
-        q, k, v = project_qkv(self, x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k, batch.memo)
+        else:
+            q, k, v = project_qkv(self, x)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(batch.positions, q, k, batch.memo)
         o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, -1))
 

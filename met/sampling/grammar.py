@@ -143,8 +143,8 @@ class GrammarState:
 
 
 def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None]) -> list[int]:
-    """Mask, in place, every token the row's grammar does not allow next. Returns the rows
-    where no token is allowed at all (a dead end: the caller fails those requests)."""
+    """Mask, in place, every token the row's grammar does not allow next; returns the rows
+    it masked (the caller checks them for dead ends once all its masks are applied)."""
     import xgrammar as xgr
 
     rows = [i for i, s in enumerate(states) if s is not None]
@@ -162,9 +162,7 @@ def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None])
         banned = states[i].banned  # type: ignore[union-attr]
         if banned is not None:
             logits[i, : len(banned)].masked_fill_(banned.to(logits.device), float("-inf"))
-    idx = torch.tensor(rows, device=logits.device)
-    alive = torch.isfinite(logits[idx]).any(dim=-1).tolist()
-    return [i for i, ok in zip(rows, alive, strict=True) if not ok]
+    return rows
 
 
 def _first_line(e: Exception) -> str:

@@ -86,14 +86,16 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
 def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Grammar masks (outside thinking), then tokens a thinking budget forces. Returns the
     rows left with no allowed token."""
+    if all(r.grammar is None and r.thinking is None for r in requests):
+        return []  # the common case: nothing to mask
     # A budgeted reasoning model may open its thinking as its first token even when a
     # grammar holds the answer: keep the start marker's logit through the grammar mask.
     opening = [(i, r.thinking.spec.start_token_ids[0]) for i, r in enumerate(requests)
                if r.thinking is not None and r.grammar_applies() and not r.thinking.ended
                and r.num_output_tokens == 0 and r.thinking.spec.start_token_ids]
     saved = [float(logits[i, t]) for i, t in opening]
-    dead = apply_grammar_masks(logits, [r.grammar if r.grammar_applies() else None
-                                        for r in requests])
+    masked = apply_grammar_masks(logits, [r.grammar if r.grammar_applies() else None
+                                          for r in requests])
     for (i, t), value in zip(opening, saved, strict=True):
         logits[i, t] = value
     for i, r in enumerate(requests):
@@ -102,11 +104,10 @@ def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]
             value = float(logits[i, forced])
             logits[i] = _NEG_INF
             logits[i, forced] = value if value != _NEG_INF else 0.0
-    if not dead:
+    if not masked:
         return []
-    idx = torch.tensor(dead, device=logits.device)
-    alive = torch.isfinite(logits[idx]).any(dim=-1).tolist()
-    return [i for i, ok in zip(dead, alive, strict=True) if not ok]
+    alive = torch.isfinite(logits[torch.tensor(masked, device=logits.device)]).any(dim=-1)
+    return [i for i, ok in zip(masked, alive.tolist(), strict=True) if not ok]
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

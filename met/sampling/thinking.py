@@ -52,17 +52,11 @@ class ThinkingState:
         self.in_thinking = spec.starts_inside
         self.ended = False
         self.num_thinking_tokens = 0
-        self.num_forced = 0
         self._forced: deque[int] = deque()
         self._recent: list[int] = []  # the last few output tokens (marker matching)
         self._fence_open = False
         self._backticks = 0  # length of the backtick run at the end of the thinking text
         self._at_sentence_end = True  # the thinking text so far ends a sentence (or is empty)
-
-    @property
-    def constrains_output(self) -> bool:
-        """Whether the tokens now being generated are thinking (a grammar waits meanwhile)."""
-        return self.in_thinking
 
     def forced_token(self) -> int | None:
         """The token the next step must produce, if the budget forces one."""
@@ -78,11 +72,9 @@ class ThinkingState:
         if self._forced:
             if token == self._forced[0]:
                 self._forced.popleft()
-                self.num_forced += 1
         elif self.in_thinking and token in self._eos:
             self._forced.extend(self.spec.end_token_ids)
             token = self._forced.popleft()
-            self.num_forced += 1
         self._recent = (self._recent + [token])[-8:]
         if self.in_thinking:
             if self._ends_with(self.spec.end_token_ids):
