@@ -3,6 +3,9 @@
 ``tiny_checkpoint(arch) -> Path``: a session-scoped factory that builds (once per session
 per arch) a tiny random Hugging Face checkpoint + tokenizer of ``arch`` (see
 tests/tiny_models.py for the archs and how they are made decisive) and returns its directory.
+``ckpt``: the tiny Llama's directory (a module may override it). ``start_server(args)``:
+runs `met serve` as a subprocess (tests/api/serve_harness.py), stopped at the end of the
+module.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import pytest
 # tiny_models lives next to this file; make it importable however pytest imports tests/
 # (rootdir-relative packages, importlib mode, or a tests/__init__.py added later).
 _TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+for _path in (_TESTS_DIR, str(Path(_TESTS_DIR) / "api")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-from tiny_models import ARCHS, build_tiny_checkpoint  # noqa: E402  (needs the path above)
+from serve_harness import ServerProcess  # noqa: E402  (needs the path above)
+from tiny_models import ARCHS, build_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +39,25 @@ def tiny_checkpoint(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    """The tiny Llama most server tests serve (a module may override it)."""
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def start_server():
+    """Factory: ``start_server(args, env=None)`` → a ready ServerProcess (stopped at the
+    end of the module)."""
+    started: list[ServerProcess] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(args, env)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,33 +1,11 @@
-"""Fixtures for the server tests: ``start_server(args)`` runs `met serve` as a subprocess."""
+"""Fixtures for the server tests: a tiny-model server per module (``start_server`` and
+``ckpt`` come from tests/conftest.py), the OpenAI SDK and a raw HTTP client on it."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
-from serve_harness import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def start_server():
-    """Factory: ``start_server(args, env=None)`` → a ready ServerProcess (stopped at the
-    end of the module)."""
-    started: list[ServerProcess] = []
-
-    def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(args, env)
-        started.append(server)
-        return server.wait_ready()
-
-    yield start
-    for server in started:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    """The tiny Llama the API tests serve (a module may override it)."""
-    return str(tiny_checkpoint("llama"))
 
 
 @pytest.fixture(scope="module")

@@ -29,21 +29,27 @@ def ckpt(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(start_server, ckpt, tmp_path_factory):
+def template_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("tmpl") / "think.jinja"
     path.write_text(THINK_TEMPLATE)
+    return str(path)
+
+
+def _start(start_server, ckpt, template_file, *extra):
     return start_server([ckpt, "--dtype", "float32", "--max-model-len", "512",
-                         "--served-model-name", "tiny", "--chat-template", str(path)])
+                         "--served-model-name", "tiny", "--chat-template", template_file,
+                         *extra])
 
 
 @pytest.fixture(scope="module")
-def capped(start_server, ckpt, server, tmp_path_factory):
+def server(start_server, ckpt, template_file):
+    return _start(start_server, ckpt, template_file)
+
+
+@pytest.fixture(scope="module")
+def capped(start_server, ckpt, template_file, server):
     """The same model with --max-thinking-budget 16."""
-    path = tmp_path_factory.mktemp("tmpl") / "think.jinja"
-    path.write_text(THINK_TEMPLATE)
-    s = start_server([ckpt, "--dtype", "float32", "--max-model-len", "512",
-                      "--served-model-name", "tiny", "--chat-template", str(path),
-                      "--max-thinking-budget", "16"])
+    s = _start(start_server, ckpt, template_file, "--max-thinking-budget", "16")
     return openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
 
 

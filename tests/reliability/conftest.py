@@ -1,7 +1,7 @@
 """Fixtures for the reliability tests.
 
-``start_server(args)`` runs a real `met serve` subprocess (tests/api/serve_harness.py);
-``in_process_server(config=..., engine_config=...)`` runs the same app under uvicorn in a
+``start_server(args)`` and ``ckpt`` come from tests/conftest.py;
+``in_process_server(config=..., engine_config=...)`` runs the app under uvicorn in a
 thread of the test process, so a test can monkeypatch the engine or the detokenizer and read
 the server's logs with caplog.
 """
@@ -9,44 +9,18 @@ the server's logs with caplog.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
+from serve_harness import wait_until
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
-
-from serve_harness import ServerProcess, wait_until  # noqa: E402
-
-from met.api.app import build_app  # noqa: E402
-from met.api.context import ServerConfig  # noqa: E402
-from met.config import EngineConfig  # noqa: E402
-from met.engine.async_engine import AsyncEngine  # noqa: E402
-from met.engine.core import EngineCore  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint) -> str:
-    return str(tiny_checkpoint("llama"))
-
-
-@pytest.fixture(scope="module")
-def start_server():
-    """Factory: ``start_server(args)`` → a ready `met serve` subprocess, stopped at the end
-    of the module."""
-    started: list[ServerProcess] = []
-
-    def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(args, env)
-        started.append(server)
-        return server.wait_ready()
-
-    yield start
-    for server in started:
-        server.stop()
+from met.api.app import build_app
+from met.api.context import ServerConfig
+from met.config import EngineConfig
+from met.engine.async_engine import AsyncEngine
+from met.engine.core import EngineCore
 
 
 class InProcessServer:
