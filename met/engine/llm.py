@@ -10,7 +10,7 @@ from met.cache.kv_manager import KVStats
 from met.config import EngineConfig
 from met.engine.core import EngineCore
 from met.outputs import CompletionOutput, RequestOutput
-from met.sampling.beam_search import beam_state, step_params, top_pairs
+from met.sampling.beam_search import beam_state, live_beam_requests, top_pairs
 from met.sampling.params import SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -93,14 +93,12 @@ class LLM:
                     params, self.engine.loaded.eos_token_ids, params.num_beams))
         while any(not s.done for *_, s in searches.values()):
             pending = []
-            for i, (_, ids, _, state) in searches.items():
-                if state.done:
-                    continue
-                step = step_params(state)
-                for b, beam in enumerate(state.running):
-                    rid = f"beam-{next(self._ids)}"
-                    pending.append((i, b, rid))
-                    self.engine.add_request(rid, ids + list(beam.tokens), step)
+            order = list(searches)
+            for k, b, ids, step in live_beam_requests([searches[i][3] for i in order],
+                                                      [searches[i][1] for i in order]):
+                rid = f"beam-{next(self._ids)}"
+                pending.append((order[k], b, rid))
+                self.engine.add_request(rid, ids, step)
             try:
                 finished = self._run_to_completion()
             except BaseException:

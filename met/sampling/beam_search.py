@@ -18,6 +18,7 @@ step recomputes at most a block's worth of tokens per beam.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from met.sampling.params import SamplingParams
@@ -144,3 +145,16 @@ def step_params(state: BeamSearchState) -> SamplingParams:
     """What each live beam's one-token engine request asks for: the top-K raw logprobs."""
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                           logprobs=state.candidates_per_beam)
+
+
+def live_beam_requests(searches: Sequence[BeamSearchState],
+                       prompts: Sequence[list[int]]
+                       ) -> Iterator[tuple[int, int, list[int], SamplingParams]]:
+    """One step's engine requests: (search index, beam index, prompt + the beam's tokens,
+    params) for every live beam of every search still running."""
+    for i, (state, prompt) in enumerate(zip(searches, prompts, strict=True)):
+        if state.done:
+            continue
+        params = step_params(state)
+        for b, beam in enumerate(state.running):
+            yield i, b, prompt + list(beam.tokens), params

@@ -19,7 +19,7 @@ from met.sampling.beam_search import (
     Beam,
     BeamSearchState,
     beam_state,
-    step_params,
+    live_beam_requests,
     top_pairs,
 )
 from met.serving.generate import ChoiceDelta, Generation, GenerationFailed
@@ -65,16 +65,12 @@ class BeamGeneration(Generation):
                     ) -> list[list[list[tuple[int, float]]]] | None:
         """One token for every live beam: per search, each beam's top-K (token, logprob)."""
         slots: dict[str, tuple[int, int]] = {}
-        for i, s in enumerate(searches):
-            if s.done:
-                continue
-            params = step_params(s)
-            for b, beam in enumerate(s.running):
-                rid = f"{uuid.uuid4().hex}-beam"
-                slots[rid] = (i, b)
-                self._pending.add(rid)
-                self.engine.add_request(rid, self.prompts[i].token_ids + list(beam.tokens),
-                                        params, self._stream)
+        for i, b, ids, params in live_beam_requests(searches,
+                                                    [p.token_ids for p in self.prompts]):
+            rid = f"{uuid.uuid4().hex}-beam"
+            slots[rid] = (i, b)
+            self._pending.add(rid)
+            self.engine.add_request(rid, ids, params, self._stream)
         tops: list[list[list[tuple[int, float]]]] = [
             [[] for _ in s.running] if not s.done else [] for s in searches]
         while self._pending:
