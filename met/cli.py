@@ -18,11 +18,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint dir, .gguf file or HF-cache model id "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else "
+                        "float32 (float32 is the exact reference)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantized linear layers with bfloat16 activations: int8 "
                         "(per output channel) or int4 (groups of 32; a Q4_0/Q4_1 GGUF keeps "
-                        "its own integers exactly)")
+                        "its own integers exactly); auto: int4 for a Q4_0/Q4_1 GGUF when the "
+                        "dtype is bfloat16 on the CPU, else none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

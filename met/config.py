@@ -12,12 +12,30 @@ _DTYPES = {
     "float16": torch.float16,
 }
 
+# Weight-only quantized linear layers (bfloat16 activations).
+QUANTIZATIONS = ("int8", "int4")
+# What --quantization / EngineConfig.quantization accept; "none" (or None) turns it off and
+# "auto" lets the loader decide from the model file (met/loader/auto_quant.py).
+QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 matrices in hardware (AMX-BF16 or AVX512-BF16),
+    where bfloat16 is faster than float32; without them torch emulates it and it is slower."""
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
+
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """Map a dtype name ('auto', 'float32', 'bfloat16', 'float16') to a torch dtype."""
+    """Map a dtype name ('auto', 'float32', 'bfloat16', 'float16') to a torch dtype.
+
+    auto is the fastest correct choice for the device: bfloat16 on CUDA and on CPUs with
+    native bfloat16 matrix units, float32 (the exact reference) on other CPUs.
+    """
     if name == "auto":
-        # float32 is the exact reference on CPU; bfloat16 is the fast path on CUDA.
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        if device.startswith("cuda") or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(_DTYPES)}")
     if name == "float16" and not device.startswith("cuda"):
@@ -44,7 +62,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     seed: int = 0
-    quantization: str | None = None  # "int8" / "int4": weight-only quantized linear layers
+    # "int8" / "int4": weight-only quantized linear layers; "none" or None: off; "auto": the
+    # loader picks int4 for a Q4_0/Q4_1 GGUF in bfloat16, else none (see met/loader/auto_quant)
+    quantization: str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,12 +83,14 @@ class EngineConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         resolve_dtype(self.dtype, self.device)
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization: must be 'int8', 'int4' or None, got "
-                             f"{self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_CHOICES)} "
+                             f"(or None), got {self.quantization!r}")
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)  # one spelling of "off" downstream
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto" and self.quantization is not None:
+        if self.dtype == "auto" and self.quantization in QUANTIZATIONS:
             return torch.bfloat16  # the quantized kernels take bfloat16 activations
         return resolve_dtype(self.dtype, self.device)

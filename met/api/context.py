@@ -105,6 +105,7 @@ class ModelInfo:
     limits: ModelLimits
     root: str
     dtype: str
+    quantization: str  # "int8", "int4" or "none" (what --quantization auto chose, if auto)
 
 
 class ServerContext:
@@ -135,7 +136,8 @@ class ServerContext:
                                core.config.block_size, core.kv.pool.num_blocks,
                                self.config.request_limits),
             root=str(loaded.source.path),
-            dtype=str(core.config.torch_dtype).removeprefix("torch."),
+            dtype=str(core.dtype).removeprefix("torch."),
+            quantization=core.quantization or "none",
         )
 
     def require_model(self) -> ModelInfo:

@@ -52,6 +52,9 @@ class EngineCore:
         self.loaded = loaded or load_model(
             config.model, dtype, self.device, config.max_model_len, config.cache_dir,
             config.quantization)
+        # What the model runs with: config's "auto" values resolved for this machine and file.
+        self.dtype: torch.dtype = dtype
+        self.quantization: str | None = self.loaded.quantization
         self.max_model_len = self.loaded.max_model_len
         num_blocks = self._num_blocks(dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -20,6 +20,9 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     A prompt is a string or ``{"prompt_token_ids": [...]}``. Outputs come back in prompt order.
+    ``dtype="auto"`` and ``quantization="auto"`` pick the fastest correct path for the machine
+    and model file (see EngineConfig); ``dtype="float32", quantization=None`` is the exact
+    reference. ``llm.engine.dtype`` / ``llm.engine.quantization`` say what was chosen.
     """
 
     def __init__(
@@ -36,7 +39,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         cache_dir: str | None = None,
         seed: int = 0,
-        quantization: str | None = None,
+        quantization: str | None = "auto",
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from met.loader.auto_quant import choose_quantization
 from met.loader.resolve import ModelSource, resolve_model
 from met.loader.safetensors_dir import config_eos_ids, generation_eos_ids, iter_safetensors
 from met.models.base import CausalLM
@@ -26,12 +27,16 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_model_len: int
     source: ModelSource
+    quantization: str | None = None  # what the model runs with ("auto" already decided)
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None, cache_dir: str | None = None,
                quantization: str | None = None) -> LoadedModel:
-    """Resolve, read config/tokenizer, build the model class and load weights into it."""
+    """Resolve, read config/tokenizer, build the model class and load weights into it.
+
+    quantization is "int8", "int4", None, or "auto" (decided here from the loaded weights).
+    """
     source = resolve_model(model, cache_dir)
     if source.kind == "gguf":
         from met.loader.gguf import load_gguf
@@ -63,10 +68,16 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     with torch.device(device):
         net = cls(config, dtype, max_positions=max_len)
     net.load_weights(weights)
+    if quantization == "auto":
+        choice = choose_quantization(net, dtype, device)
+        log.info("quantization auto → %s", choice.reason)
+        quantization = choice.quantization
     net.prepare(quantization)
     net.eval()
-    log.info("loaded %s (%s) from %s", type(net).__name__, dtype, source.path)
-    return LoadedModel(net, config, tokenizer, chat_template, frozenset(eos), max_len, source)
+    log.info("loaded %s (%s, quantization %s) from %s", type(net).__name__, dtype,
+             quantization or "none", source.path)
+    return LoadedModel(net, config, tokenizer, chat_template, frozenset(eos), max_len, source,
+                       quantization)
 
 
 def _is_multimodal(config: Any) -> bool:

@@ -55,7 +55,9 @@ def test_server_reports_loading_then_ready(server):
 def test_models_list_and_retrieve(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert client.models.retrieve("tiny").id == "tiny"
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny"
+    assert (card.dtype, card.quantization) == ("float32", "none")  # --dtype float32
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
     assert e.value.body["code"] == "model_not_found"

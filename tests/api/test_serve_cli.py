@@ -55,6 +55,38 @@ def test_serve_defaults(captured, tiny_checkpoint, monkeypatch):
     assert server.max_body_bytes == 32 << 20
 
 
+def test_dtype_and_quantization_flags(captured, tiny_checkpoint):
+    ckpt = str(tiny_checkpoint("llama"))
+    assert cli.main(["serve", ckpt]) == 0
+    engine = captured["engine"]
+    assert (engine.dtype, engine.quantization) == ("auto", "auto")  # decided at load time
+    for flag, want in (("none", None), ("int8", "int8"), ("int4", "int4"), ("auto", "auto")):
+        assert cli.main(["serve", ckpt, "--dtype", "float32", "--quantization", flag]) == 0
+        assert (captured["engine"].dtype, captured["engine"].quantization) == ("float32", want)
+
+
+def test_an_unknown_quantization_is_a_clear_cli_error(tiny_checkpoint):
+    run = subprocess.run([sys.executable, "-m", "met.cli", "serve", str(tiny_checkpoint("llama")),
+                          "--quantization", "int2"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2
+    assert "--quantization: invalid choice: 'int2'" in run.stderr
+    assert "'auto', 'none', 'int8', 'int4'" in run.stderr
+
+
+def test_served_model_card_says_what_the_engine_runs_with(start_server, tiny_checkpoint):
+    """--quantization int8 with dtype auto runs bfloat16 activations: the startup log and
+    /v1/models say so."""
+    import httpx
+    from serve_harness import wait_until
+
+    server = start_server([str(tiny_checkpoint("llama")), "--quantization", "int8",
+                           "--max-model-len", "128", "--served-model-name", "tiny"])
+    card = httpx.get(server.base_url + "/models", timeout=30).json()["data"][0]
+    assert (card["dtype"], card["quantization"]) == ("bfloat16", "int8")
+    assert wait_until(lambda: "dtype bfloat16, quantization int8" in server.log(), 10)
+
+
 def test_serve_with_a_missing_model_fails_fast():
     run = subprocess.run([sys.executable, "-m", "met.cli", "serve", "/nowhere/model.gguf"],
                          capture_output=True, text=True, timeout=120, check=False)

@@ -16,7 +16,8 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(["--max-model-len", "2048", "--max-num-seqs", "8"])
+    # float32, the exact reference: the answers checked below are float32's.
+    return start_server(["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8"])
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(["--max-model-len", "1024", "--max-num-seqs", "4"])
+    # float32, the exact reference: the answers checked below are float32's.
+    return start_server(["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"])
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ ASKS = ["Describe a person as JSON.", "Report today's weather in Paris as JSON."
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(None, dtype="bfloat16", max_model_len=1024)
+    return LLM(None, dtype="bfloat16", quantization="none", max_model_len=1024)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

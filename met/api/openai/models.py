@@ -16,6 +16,9 @@ def _card(ctx: ServerContext, name: str) -> dict:
         "id": name, "object": "model", "created": ctx.created, "owned_by": "met",
         "root": model.root if model else None, "parent": None,
         "max_model_len": model.limits.max_model_len if model else None,
+        # What the engine runs with (--dtype / --quantization auto resolved for this machine).
+        "dtype": model.dtype if model else None,
+        "quantization": model.quantization if model else None,
     }
 
 
