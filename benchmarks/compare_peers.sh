@@ -59,7 +59,7 @@ start() {  # engine port: starts it in the background, sets server_pid
   log=$OUT/$engine.server.log
   case $engine in
     met|met-fp32|met-int8|met-int4)
-      local dtype=$MET_DTYPE quant=()
+      local dtype=$MET_DTYPE quant=(--quantization none)  # plain $MET_DTYPE (auto: int4)
       [ "$engine" = met-fp32 ] && dtype=float32
       case $engine in met-int8) quant=(--quantization int8) ;; met-int4) quant=(--quantization int4) ;; esac
       echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
