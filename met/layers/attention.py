@@ -26,14 +26,30 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [T, H, D] over each request's cached context; returns [T, H, D]."""
+    """Causal attention of q [T, H, D] over each request's cached context; returns [T, H, D].
+
+    Writes the step's new keys and values k, v [T, Hkv, D] into their slots first."""
     k_cache, v_cache = kv_cache
     k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-    gqa = q.shape[1] != k_cache.shape[0]
+    return attend_cached(q, kv_cache, batch, scale, sliding_window)
 
-    out = torch.empty_like(q)
+
+def attend_cached(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` once the step's keys and values are already in the cache."""
+    k_cache, v_cache = kv_cache
+    gqa = q.shape[1] != k_cache.shape[0]
     plan = batch.window_plan(sliding_window)
+    if not plan.per_seq:  # a pure decode step: one call, rows already in order
+        return decode_attention(q, k_cache, v_cache, plan.decode_slots, plan.decode_offsets,
+                                scale)
+    out = torch.empty_like(q)
     if plan.decode_rows.numel():
         # All decodes in one call: per-request results, without a Python loop per request.
         out[plan.decode_rows] = decode_attention(

@@ -138,6 +138,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
         self.quantized: nn.Module | None = None

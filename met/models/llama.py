@@ -6,13 +6,16 @@ They share one decoder; config flags switch on qkv bias (Qwen2), per-head q/k RM
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from met.layers import fused_ops
 from met.layers.activations import get_activation
-from met.layers.attention import KVCache, paged_attention
+from met.layers.attention import KVCache, attend_cached, paged_attention
 from met.layers.batch import ForwardBatch
 from met.layers.linear import Embedding, Linear, LMHead, fuse_linears
 from met.layers.moe import SparseMoE
@@ -92,6 +95,21 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, -1))
 
+    def supports_fused(self) -> bool:
+        """Whether `forward_fused` applies: fused q|k|v, no q/k norm, rope tables in float32."""
+        return (hasattr(self, "qkv_proj") and self.q_norm is None
+                and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0)
+
+    def forward_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
+                      ) -> torch.Tensor:
+        """`forward` with rope and the cache writes in one native call (bfloat16 on CPU)."""
+        k_cache, v_cache = kv_cache
+        q = fused_ops.rope_qkv_to_cache(self.qkv_proj(x), batch.positions, self.rotary.cos,
+                                        self.rotary.sin, k_cache, v_cache, batch.slot_mapping,
+                                        self.num_heads, self.num_kv_heads)
+        o = attend_cached(q, kv_cache, batch, self.scale, self.sliding_window)
+        return self.o_proj(o.view(x.shape[0], -1))
+
 
 def qkv_bias_only(config: Any) -> bool:
     """Qwen2 puts biases on q/k/v but not on the output projection."""
@@ -110,6 +128,14 @@ class MLP(nn.Module):
         """Replace gate_proj and up_proj by one ``gate_up_proj`` (one matmul)."""
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
+
+    def supports_fused(self) -> bool:
+        """Whether `forward_fused` applies: fused gate|up with SiLU."""
+        return hasattr(self, "gate_up_proj") and self.act is F.silu
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with SiLU(gate) · up in one native call (bfloat16 on CPU)."""
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
@@ -132,6 +158,22 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def supports_fused(self) -> bool:
+        return (isinstance(self.mlp, MLP) and self.mlp.supports_fused()
+                and self.self_attn.supports_fused())
+
+    def forward_fused(self, x: torch.Tensor, normed: torch.Tensor, batch: ForwardBatch,
+                      kv_cache: KVCache, next_norm: RMSNorm
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on (residual x, its input norm): returns the new residual and its
+        ``next_norm`` (the next layer's input norm, or the final norm), each residual add
+        done inside a fused RMSNorm."""
+        attn = self.self_attn.forward_fused(normed, batch, kv_cache)
+        post = self.post_attention_layernorm
+        x, normed = fused_ops.add_rms_norm(x, attn, post.weight, post.eps)
+        return fused_ops.add_rms_norm(x, self.mlp.forward_fused(normed), next_norm.weight,
+                                      next_norm.eps)
 
 
 def _make_mlp(config: Any, idx: int, dtype: torch.dtype) -> nn.Module:
@@ -183,9 +225,28 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
+        if self._fused_layers and fused_ops.available(x):
+            return self._forward_fused(x, batch, kv_caches)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, batch, kv)
         return self.model.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[KVCache]
+                       ) -> torch.Tensor:
+        """The bfloat16 CPU path: norms, rope + cache writes and SiLU · up as fused ops."""
+        layers = self.model.layers
+        first = layers[0].input_layernorm
+        normed = fused_ops.rms_norm(x, first.weight, first.eps)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, kv, next_norm in zip(layers, kv_caches, next_norms, strict=True):
+            x, normed = layer.forward_fused(x, normed, batch, kv, next_norm)
+        return normed
+
+    @functools.cached_property
+    def _fused_layers(self) -> bool:
+        """Every layer can run fused (decided once, after `prepare` fused the projections)."""
+        norm = self.model.norm
+        return (not norm.offset and all(layer.supports_fused() for layer in self.model.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, LMHead):

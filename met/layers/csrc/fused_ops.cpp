@@ -1,0 +1,369 @@
+// Fused bfloat16 element-wise ops of a decoder layer on CPU: RMSNorm (with the residual add
+// folded in), SiLU(gate) * up, and rope on q|k with the new keys and values written straight
+// into the paged cache. Each replaces a chain of 4-10 ATen ops (and as many passes over the
+// activations and Python dispatches) with one call.
+//
+// Every op reproduces the rounding of the ATen chain it replaces: values are widened to
+// float32, each intermediate that ATen stores as bfloat16 is rounded to bfloat16 at the same
+// point, so rope, SiLU * up and the residual add give the same bits as the ATen ops; RMSNorm's
+// mean of squares is summed in another (fixed) order, so its output can differ by one
+// bfloat16 ulp now and then.
+//
+// Batch invariance: every row (token) is computed alone, in a fixed order, whatever the
+// number of rows or threads.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+#define MET_INLINE inline __attribute__((always_inline))
+
+// One binary for any x86-64: the loader picks the best clone this CPU supports.
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define MET_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef MET_CLONES
+#define MET_CLONES
+#endif
+
+// Sixteen lanes as GCC/Clang vector types; every clone maps them onto its own registers.
+constexpr int64_t kLanes = 16;
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+
+#define MET_SPLAT(x) ((x) - vfloat{})
+
+// Sixteen bfloat16 values widened (exactly) to float32, in order.
+MET_INLINE vfloat load_bf16(const uint16_t* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint w = __builtin_convertvector(h, vuint) << 16;
+  vfloat f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0 (what c10::BFloat16 does).
+MET_INLINE vuint bf16_bits(vfloat f) {
+  vuint u;
+  std::memcpy(&u, &f, sizeof(u));
+  const vuint rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? vuint{} + 0x7FC0u : rounded;
+}
+
+MET_INLINE void store_bf16(uint16_t* p, vfloat f) {
+  const vhalf h = __builtin_convertvector(bf16_bits(f), vhalf);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// The float32 value a bfloat16 store of f would read back as.
+MET_INLINE vfloat round_bf16(vfloat f) {
+  const vuint w = bf16_bits(f) << 16;
+  vfloat r;
+  std::memcpy(&r, &w, sizeof(r));
+  return r;
+}
+
+MET_INLINE vfloat load_f32(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The first n (<= 16) lanes of the same, the others zero: rows whose length is not a whole
+// number of vectors end with one such partial chunk.
+MET_INLINE vfloat load_bf16_n(const uint16_t* p, int64_t n) {
+  if (n == kLanes) return load_bf16(p);
+  uint16_t tmp[kLanes] = {};
+  std::memcpy(tmp, p, n * sizeof(uint16_t));
+  return load_bf16(tmp);
+}
+
+MET_INLINE void store_bf16_n(uint16_t* p, vfloat f, int64_t n) {
+  if (n == kLanes) return store_bf16(p, f);
+  uint16_t tmp[kLanes];
+  store_bf16(tmp, f);
+  std::memcpy(p, tmp, n * sizeof(uint16_t));
+}
+
+MET_INLINE vfloat load_f32_n(const float* p, int64_t n) {
+  if (n == kLanes) return load_f32(p);
+  float tmp[kLanes] = {};
+  std::memcpy(tmp, p, n * sizeof(float));
+  return load_f32(tmp);
+}
+
+// Fixed-order sum of the sixteen lanes.
+MET_INLINE float hsum(vfloat v) {
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof(t));
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  }
+  return t[0];
+}
+
+// exp(x), sixteen at a time: Cephes' expf polynomial (about 1 ulp), clamped to [-87, 88] so
+// that 2^n stays a normal float.
+MET_INLINE vfloat vexp(vfloat x) {
+  const vfloat lo = MET_SPLAT(-87.0f), hi = MET_SPLAT(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  vfloat t = x * 1.44269504088896341f;
+  t = t + (t < 0.0f ? MET_SPLAT(-0.5f) : MET_SPLAT(0.5f));  // round half away from zero
+  const vint n = __builtin_convertvector(t, vint);
+  const vfloat fn = __builtin_convertvector(n, vfloat);
+  vfloat r = x - fn * 0.693359375f;  // ln2 in two parts: the first product is exact
+  r = r - fn * -2.12194440e-4f;
+  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint bits = (n + 127) << 23;
+  vfloat two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------
+
+// Rows [r0, r1): residual = bf16(x + delta) when delta is given (stored to sum_out), then
+// out = bf16(w * bf16(v * rsqrt(mean(v^2) + eps))), as met.layers.norms.RMSNorm computes it.
+MET_CLONES void rms_norm_rows(const uint16_t* x, const uint16_t* delta, uint16_t* sum_out,
+                              uint16_t* out, const uint16_t* w, int64_t r0, int64_t r1,
+                              int64_t D, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* xr = x + r * D;
+    const uint16_t* src = xr;
+    vfloat acc = {};
+    if (delta != nullptr) {
+      const uint16_t* dr = delta + r * D;
+      uint16_t* sr = sum_out + r * D;
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const int64_t n = std::min(kLanes, D - d);
+        const vfloat v = round_bf16(load_bf16_n(xr + d, n) + load_bf16_n(dr + d, n));
+        store_bf16_n(sr + d, v, n);
+        acc += v * v;
+      }
+      src = sr;
+    } else {
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const vfloat v = load_bf16_n(xr + d, std::min(kLanes, D - d));
+        acc += v * v;
+      }
+    }
+    const float inv = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(D) + eps);
+    uint16_t* orow = out + r * D;
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const int64_t n = std::min(kLanes, D - d);
+      const vfloat normed = round_bf16(load_bf16_n(src + d, n) * inv);
+      store_bf16_n(orow + d, normed * load_bf16_n(w + d, n), n);
+    }
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 &&
+                  t.is_contiguous(),
+              op, ": ", name, " must be a contiguous 2-D bfloat16 CPU tensor");
+}
+
+// Rows per task: enough work per thread to pay for the fork (~5 us).
+int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / row_elems); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm", "x");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.numel() == D,
+              "rms_norm: weight must be a contiguous bfloat16 [hidden] tensor");
+  at::Tensor out = at::empty({T, D}, x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, T, grain_rows(D), [&](int64_t b, int64_t e) {
+    rms_norm_rows(xp, nullptr, nullptr, op, wp, b, e, D, static_cast<float>(eps));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm", "x");
+  check_rows(delta, "add_rms_norm", "delta");
+  TORCH_CHECK(x.sizes() == delta.sizes(), "add_rms_norm: x and delta differ in shape");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.numel() == D,
+              "add_rms_norm: weight must be a contiguous bfloat16 [hidden] tensor");
+  at::Tensor sum = at::empty({T, D}, x.options());
+  at::Tensor out = at::empty({T, D}, x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* dp = static_cast<const uint16_t*>(delta.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
+  auto* sp = static_cast<uint16_t*>(sum.data_ptr());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, T, grain_rows(D), [&](int64_t b, int64_t e) {
+    rms_norm_rows(xp, dp, sp, op, wp, b, e, D, static_cast<float>(eps));
+  });
+  return {sum, out};
+}
+
+// ---- SiLU(gate) * up ---------------------------------------------------------------------
+
+// Rows [r0, r1) of gate_up [T, 2I] (gate then up): out = bf16(bf16(silu(gate)) * up), the
+// rounding of F.silu followed by a bfloat16 multiply.
+MET_CLONES void silu_mul_rows(const uint16_t* gu, uint16_t* out, int64_t r0, int64_t r1,
+                              int64_t I) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* g = gu + r * 2 * I;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + r * I;
+    for (int64_t i = 0; i < I; i += kLanes) {
+      const int64_t n = std::min(kLanes, I - i);
+      const vfloat x = load_bf16_n(g + i, n);
+      const vfloat s = round_bf16(x / (1.0f + vexp(-x)));
+      store_bf16_n(o + i, s * load_bf16_n(u + i, n), n);
+    }
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul", "gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even width");
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const auto* gp = static_cast<const uint16_t*>(gate_up.data_ptr());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
+    silu_mul_rows(gp, op, b, e, I);
+  });
+  return out;
+}
+
+// ---- rope on q|k, keys and values into the paged cache -------------------------------------
+
+struct RopeProblem {
+  const uint16_t* qkv;  // [T, (H + 2 Hkv) * D]
+  const int64_t* positions;
+  const float* cos;  // [P, D] float32 tables (rounded to bfloat16 at use, as ATen's .to())
+  const float* sin;
+  uint16_t* k_cache;  // [Hkv, S, D]
+  uint16_t* v_cache;
+  const int64_t* slots;
+  uint16_t* q_out;  // [T, H, D]
+  int64_t H, Hkv, D, S;
+};
+
+// One head: out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), rotate_half(x) = (-x2, x1).
+MET_INLINE void rope_head(const uint16_t* x, const float* c, const float* s, uint16_t* out,
+                          int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d += kLanes) {
+    const int64_t n = std::min(kLanes, half - d);
+    const vfloat x1 = load_bf16_n(x + d, n), x2 = load_bf16_n(x + half + d, n);
+    const vfloat c1 = round_bf16(load_f32_n(c + d, n));
+    const vfloat c2 = round_bf16(load_f32_n(c + half + d, n));
+    const vfloat s1 = round_bf16(load_f32_n(s + d, n));
+    const vfloat s2 = round_bf16(load_f32_n(s + half + d, n));
+    store_bf16_n(out + d, round_bf16(x1 * c1) + round_bf16(-x2 * s1), n);
+    store_bf16_n(out + half + d, round_bf16(x2 * c2) + round_bf16(x1 * s2), n);
+  }
+}
+
+MET_CLONES void rope_rows(const RopeProblem& p, int64_t r0, int64_t r1) {
+  const int64_t D = p.D, width = (p.H + 2 * p.Hkv) * D;
+  for (int64_t t = r0; t < r1; ++t) {
+    const uint16_t* row = p.qkv + t * width;
+    const float* c = p.cos + p.positions[t] * D;
+    const float* s = p.sin + p.positions[t] * D;
+    for (int64_t h = 0; h < p.H; ++h) {
+      rope_head(row + h * D, c, s, p.q_out + (t * p.H + h) * D, D);
+    }
+    const int64_t slot = p.slots[t];
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      rope_head(row + (p.H + h) * D, c, s, p.k_cache + (h * p.S + slot) * D, D);
+      std::memcpy(p.v_cache + (h * p.S + slot) * D, row + (p.H + p.Hkv + h) * D,
+                  D * sizeof(uint16_t));
+    }
+  }
+}
+
+at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                             at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
+                             int64_t num_kv_heads) {
+  check_rows(qkv, "rope_qkv_to_cache", "qkv");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "rope_qkv_to_cache: caches must be contiguous bfloat16 [Hkv, S, D] tensors");
+  const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(Hkv == num_kv_heads && num_heads > 0 && D % 2 == 0 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "rope_qkv_to_cache: qkv width, heads and (even) head_dim disagree");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == D,
+              "rope_qkv_to_cache: cos/sin must be contiguous float32 [positions, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slots.is_contiguous() &&
+                  positions.numel() == T && slots.numel() == T,
+              "rope_qkv_to_cache: positions and slots must be contiguous long [T] tensors");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_qkv_to_cache: position ", pos[t],
+                " outside the rope table");
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "rope_qkv_to_cache: slot ", sl[t],
+                " outside the cache");
+  }
+  at::Tensor q = at::empty({T, num_heads, D}, qkv.options());
+  const RopeProblem p{static_cast<const uint16_t*>(qkv.data_ptr()),
+                      pos,
+                      cos.data_ptr<float>(),
+                      sin.data_ptr<float>(),
+                      static_cast<uint16_t*>(k_cache.data_ptr()),
+                      static_cast<uint16_t*>(v_cache.data_ptr()),
+                      sl,
+                      static_cast<uint16_t*>(q.data_ptr()),
+                      num_heads,
+                      Hkv,
+                      D,
+                      S};
+  at::parallel_for(0, T, grain_rows(qkv.size(1)), [&](int64_t b, int64_t e) {
+    rope_rows(p, b, e);
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
+        &add_rms_norm);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def(
+      "rope_qkv_to_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_heads, "
+      "int num_kv_heads) -> Tensor",
+      &rope_qkv_to_cache);
+}

@@ -1,0 +1,54 @@
+"""Fused bfloat16 element-wise ops of a decoder layer on CPU (csrc/fused_ops.cpp).
+
+At decode batch sizes a layer's RMSNorms, rope, SiLU · up and KV-cache writes are dozens of
+tiny ATen calls whose Python dispatch costs more than their arithmetic; at large batches they
+are as many passes over the activations. These ops do each chain in one call:
+
+- ``rms_norm(x, w, eps)`` and ``add_rms_norm(x, delta, w, eps) -> (x + delta, norm)``;
+- ``silu_mul(gate_up)``: SiLU of the first half times the second half;
+- ``rope_qkv_to_cache(qkv, positions, cos, sin, k_cache, v_cache, slots, H, Hkv) -> q``:
+  rope on the q and k heads of the fused projection, rotated keys and the values written to
+  their cache slots, rotated queries returned [T, H, D].
+
+They round like the ATen chains they replace (rope, SiLU · up and the residual add bit for
+bit; RMSNorm within one bfloat16 ulp) and compute each row alone, so results do not depend
+on the batch. ``available(x)`` says whether they apply: CPU, bfloat16, kernels built. The
+float32 path, the exact reference, never uses them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from met.layers.native import load_native_ops
+
+_NAME = "met_fused_ops_v2"
+
+
+def _ops():
+    return load_native_ops(_NAME, "fused_ops.cpp")
+
+
+def available(x: torch.Tensor) -> bool:
+    """True when the fused ops can run on activations like ``x`` (compiles on first call)."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _ops() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ops().add_rms_norm(x, delta, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _ops().silu_mul(gate_up)
+
+
+def rope_qkv_to_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    return _ops().rope_qkv_to_cache(qkv, positions, cos, sin, k_cache, v_cache, slots,
+                                    num_heads, num_kv_heads)

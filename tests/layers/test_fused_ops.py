@@ -1,0 +1,157 @@
+"""Fused bfloat16 CPU ops (met/layers/fused_ops.py): each gives what the ATen chain it
+replaces gives, row by row whatever the batch, and the Llama model's fused path gives the
+unfused path's tokens and (nearly) its logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from met import LLM, SamplingParams
+from met.layers import fused_ops
+from met.layers.norms import RMSNorm
+from met.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(
+    not fused_ops.available(torch.zeros(1, dtype=torch.bfloat16)),
+    reason="no C++ compiler: the fused ops are unavailable and never used",
+)
+
+# Widths with and without a partial last vector (16 lanes).
+WIDTHS = [576, 64, 40, 17]
+ROWS = [1, 7, 300]
+
+
+def _bf16(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+def _norm(d: int) -> RMSNorm:
+    norm = RMSNorm(d, 1e-5, torch.bfloat16)
+    norm.weight.data = _bf16(d, seed=9)
+    return norm
+
+
+@pytest.mark.parametrize("d", WIDTHS)
+@pytest.mark.parametrize("t", ROWS)
+def test_rms_norm_matches_module_within_one_ulp(t, d):
+    norm, x = _norm(d), _bf16(t, d, scale=3.0)
+    ref, got = norm(x), fused_ops.rms_norm(x, norm.weight, norm.eps)
+    # The mean of squares is summed in another order: an output may round one ulp apart.
+    ulp = ref.float().abs().clamp(min=1e-30) * 2**-7
+    assert ((got.float() - ref.float()).abs() <= ulp).all()
+    assert (got == ref).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("d", WIDTHS)
+@pytest.mark.parametrize("t", ROWS)
+def test_add_rms_norm_returns_the_exact_sum_and_its_norm(t, d):
+    norm, x, delta = _norm(d), _bf16(t, d, seed=1), _bf16(t, d, seed=2)
+    total, normed = fused_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta)
+    assert torch.allclose(normed.float(), norm(x + delta).float(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("width", [3072, 128, 34, 18])
+@pytest.mark.parametrize("t", ROWS)
+def test_silu_mul_is_bitwise_silu_times_up(t, width):
+    gate_up = _bf16(t, width, scale=4.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fused_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("head_dim", [64, 16, 20])
+@pytest.mark.parametrize("t", ROWS)
+def test_rope_to_cache_is_bitwise_rope_and_writes_only_its_slots(t, head_dim):
+    h, hkv, slots_total = 6, 2, 700
+    rotary = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0})
+    qkv = _bf16(t, (h + 2 * hkv) * head_dim)
+    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(3))
+    slots = torch.randperm(slots_total, generator=torch.Generator().manual_seed(4))[:t]
+    k_cache = _bf16(hkv, slots_total, head_dim, seed=5)
+    v_cache = _bf16(hkv, slots_total, head_dim, seed=6)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    q = fused_ops.rope_qkv_to_cache(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache,
+                                    slots, h, hkv)
+
+    qk = rotary.apply_(qkv[:, :(h + hkv) * head_dim].view(t, h + hkv, head_dim), positions)
+    assert torch.equal(q, qk[:, :h])
+    assert torch.equal(k_cache[:, slots].transpose(0, 1), qk[:, h:])
+    v = qkv[:, (h + hkv) * head_dim:].view(t, hkv, head_dim)
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), v)
+    untouched = torch.ones(slots_total, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_cache[:, untouched], k_before[:, untouched])
+    assert torch.equal(v_cache[:, untouched], v_before[:, untouched])
+
+
+def test_each_row_is_computed_alone():
+    """Batch invariance: a row's result is the same bits alone or among 300 rows."""
+    d = 576
+    norm, x, delta = _norm(d), _bf16(300, d, seed=7), _bf16(300, d, seed=8)
+    many = fused_ops.add_rms_norm(x, delta, norm.weight, norm.eps)[1]
+    one_by_one = torch.cat([fused_ops.add_rms_norm(x[i:i + 1], delta[i:i + 1], norm.weight,
+                                                   norm.eps)[1] for i in range(300)])
+    assert torch.equal(many, one_by_one)
+    gate_up = _bf16(300, 3072, seed=10)
+    assert torch.equal(fused_ops.silu_mul(gate_up),
+                       torch.cat([fused_ops.silu_mul(gate_up[i:i + 1]) for i in range(300)]))
+
+
+def test_rejects_float32_and_bad_slots():
+    norm = _norm(64)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        fused_ops.rms_norm(torch.randn(2, 64), norm.weight, 1e-5)
+    assert not fused_ops.available(torch.randn(2, 64))
+    rotary = RotaryEmbedding(16, 64, {"rope_theta": 10000.0})
+    cache = torch.zeros(1, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slot 8 outside the cache"):
+        fused_ops.rope_qkv_to_cache(_bf16(1, 48), torch.tensor([0]), rotary.cos, rotary.sin,
+                                    cache, cache.clone(), torch.tensor([8]), 1, 1)
+
+
+# ---- the model's fused path -------------------------------------------------------------
+
+PROMPTS = [[(7 * i + 13 * j + 5) % 200 + 20 for j in range(n)]
+           for i, n in enumerate([3, 17, 40, 70])]
+
+
+def _logprobs_and_tokens(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                                  strict=True)] for o in outs]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_llama_fused_path_gives_the_unfused_tokens(tiny_checkpoint, arch, monkeypatch):
+    llm = LLM(str(tiny_checkpoint(arch)), dtype="bfloat16", quantization=None,
+              max_model_len=128)
+    model = llm.engine.runner.model
+    assert model._fused_layers, "the tiny model should take the fused bfloat16 path"
+    fused_tokens, fused_lp = _logprobs_and_tokens(llm)
+
+    monkeypatch.setattr(fused_ops, "available", lambda x: False)
+    llm.reset_prefix_cache()
+    plain_tokens, plain_lp = _logprobs_and_tokens(llm)
+    assert fused_tokens == plain_tokens
+    for a, b in zip(fused_lp, plain_lp, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-2)
+
+
+def test_float32_never_takes_the_fused_path(tiny_checkpoint, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("float32 must stay on the exact ATen path")
+
+    for name in ("rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_to_cache"):
+        monkeypatch.setattr(fused_ops, name, refuse)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", quantization=None,
+              max_model_len=128)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
+                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
