@@ -45,12 +45,12 @@ log = logging.getLogger(__name__)
 # The build's name and the op namespace the library registers (torch.ops.<name>). torch
 # rebuilds by itself when the source changes; bump the suffix if two versions of this source
 # could ever be loaded into one process, since a namespace can be registered only once.
-_EXT_NAME = "met_cpu_decode_attn_v1"
+_EXT_NAME = "met_cpu_decode_attn_v2"
+
 
 def _cpp_source() -> str:
     """The kernel's C++ source, shipped beside this module (met/layers/csrc)."""
     return (Path(__file__).parent / "csrc" / "decode_attention.cpp").read_text()
-
 
 
 @functools.lru_cache(maxsize=1)

@@ -60,8 +60,20 @@ def test_kernel_compiles_here():
 
 
 # GQA 9/3 and MHA 4/4 at the engine's head dims; 40 and 96 exercise the padded and the
-# partial-block paths, 128 two 32-wide bf16 blocks.
-SHAPES = [(9, 3, 64), (4, 4, 64), (9, 3, 16), (4, 4, 16), (6, 2, 40), (8, 2, 96), (2, 1, 128)]
+# partial-block paths, 128 two 32-wide bf16 blocks. Contiguous rows with D % 32 == 0 take the
+# register-blocked path, whose heads go in blocks of three: 16/2 (8 per group: 3 + 3 + 2) and
+# 8/2 at D 32 (3 + 1, a lone 32-wide value block) cover its remainders.
+SHAPES = [
+    (9, 3, 64),
+    (4, 4, 64),
+    (9, 3, 16),
+    (4, 4, 16),
+    (6, 2, 40),
+    (8, 2, 96),
+    (2, 1, 128),
+    (16, 2, 64),
+    (8, 2, 32),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
