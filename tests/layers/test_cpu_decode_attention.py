@@ -26,15 +26,21 @@ def _problem(
     seed: int,
     max_len: int = 300,
     layout: str = "contiguous",
+    lens: list[int] | None = None,
 ):
     """Random q, caches and per-request slot lists (shuffled, so reads are scattered).
+
+    lens: the context lengths (default: random in 1..max_len, the first one 1).
 
     layout "transposed": q and the caches are views of [H, N, D] / [S, Hkv, D] buffers;
     "every_other": the head dim itself is strided (every other element of a wider buffer).
     """
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, max_len + 1, (n,), generator=g)
-    lens[0] = 1  # always cover the single-key context
+    if lens is None:
+        lens = torch.randint(1, max_len + 1, (n,), generator=g)
+        lens[0] = 1  # always cover the single-key context
+    else:
+        lens = torch.tensor(lens)
     total = int(lens.sum())
     num_slots = total + 37
     if layout == "transposed":
@@ -124,6 +130,39 @@ def test_batch_invariance(dtype, h, hkv, d):
         alone = decode_attention(q[i : i + 1], k, v, own, torch.tensor([0, own.numel()]), scale)
         assert torch.equal(alone[0], batched[i]), f"request {i}: alone != in batch"
         assert torch.equal(reversed_out[16 - i], batched[i]), f"request {i}: order changed it"
+
+
+# Around the 512-key chunk a long context is split into: one chunk, one plus a single key,
+# three chunks, and a short request beside them.
+SPLIT_LENS = [512, 513, 1500, 7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "every_other"])
+def test_long_contexts_split_into_chunks_still_match_and_stay_invariant(dtype, layout):
+    """Chunked long contexts (merged in chunk order) still give the per-request SDPA result,
+    bitwise the same alone as in the batch, and on one thread as on several."""
+    q, k, v, slots, offsets = _problem(4, 9, 3, 64, dtype, seed=21, layout=layout, lens=SPLIT_LENS)
+    scale = 0.125
+    batched = decode_attention(q, k, v, slots, offsets, scale)
+    ref = decode_attention_reference(q.float(), k.float(), v.float(), slots, offsets, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(batched, ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(batched.float(), ref, atol=1e-2, rtol=1e-2)
+    for i in range(4):
+        own = slots[offsets[i] : offsets[i + 1]]
+        alone = decode_attention(q[i : i + 1], k, v, own, torch.tensor([0, own.numel()]), scale)
+        assert torch.equal(alone[0], batched[i]), f"request {i}: alone != in batch"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention(q, k, v, slots, offsets, scale)
+        torch.set_num_threads(max(2, before))
+        many = decode_attention(q, k, v, slots, offsets, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, batched) and torch.equal(many, batched)
 
 
 def test_thread_count_does_not_change_results():

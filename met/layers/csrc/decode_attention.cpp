@@ -161,6 +161,12 @@ struct Problem {
   float scale;
   bool pairs;  // bf16 rows read 32 at a time in pair order (see vload_bf16_pairs)
   bool fast;   // contiguous cache rows, D % 32 == 0: attend_fast
+  // Split contexts (see kSplit): request i's chunks are chunk_start[i] .. chunk_start[i + 1]
+  // - 1, chunk_req[c] is chunk c's request, and partials holds one [G][Dp + 2] record per
+  // (chunk, kv head) of a request with more than one chunk (null when none has).
+  const int64_t* chunk_start;
+  const int64_t* chunk_req;
+  float* partials;
 };
 
 // Head dim rounded up to whole vectors; rows are zero-padded to it.
@@ -170,6 +176,35 @@ MET_INLINE int64_t padded_dim(int64_t D) { return (D + kLanes - 1) / kLanes * kL
 MET_INLINE size_t workspace_floats(int64_t G, int64_t Dp, int64_t max_len) {
   const int64_t Lp = (max_len + kLanes - 1) / kLanes * kLanes;
   return static_cast<size_t>(2 * G * Dp + kLanes * Dp + G * Lp);
+}
+
+// Keys per chunk of a long context. A request longer than this is attended chunk by chunk,
+// the chunks running as separate tasks (so a few long requests still spread over all
+// threads), and the chunks' partial softmax sums merged in chunk order. The split depends on
+// the request's own length only, so its result stays batch- and thread-invariant.
+constexpr int64_t kSplit = 512;
+
+// The keys one task attends over: request i, kv head g, slots[0 .. L-1]. partial: where the
+// task leaves its unnormalized result for merge_one, or null when it is the whole context.
+struct Span {
+  int64_t i, g;
+  const int64_t* slots;
+  int64_t L;
+  float* partial;
+};
+
+// Task = chunk * Hkv + kv head.
+MET_INLINE Span task_span(const Problem& p, int64_t task) {
+  const int64_t chunk = task / p.Hkv, g = task % p.Hkv;
+  const int64_t i = p.chunk_req[chunk];
+  const int64_t begin = p.offsets[i] + (chunk - p.chunk_start[i]) * kSplit;
+  const int64_t L = std::min(kSplit, p.offsets[i + 1] - begin);
+  float* partial = nullptr;
+  if (p.chunk_start[i + 1] - p.chunk_start[i] > 1) {
+    const int64_t G = p.H / p.Hkv;
+    partial = p.partials + task * G * (padded_dim(p.D) + 2);
+  }
+  return {i, g, p.slots + begin, L, partial};
 }
 
 // Converts n <= 16 cache rows into a float32 tile laid out chunk-major: element d of row j
@@ -251,7 +286,8 @@ MET_INLINE void load_q(const Problem& p, int64_t i, int64_t g, float* qf) {
 // becomes exp(score - max) and inv_sum[h] 1 / its sum. The padding past L gets a score far
 // below any real one, so it never wins the max, and is zeroed after exp, so it adds nothing
 // to the sum.
-MET_INLINE void softmax_rows(float* s, int64_t G, int64_t L, int64_t Lp, float* inv_sum) {
+MET_INLINE void softmax_rows(float* s, int64_t G, int64_t L, int64_t Lp, float* inv_sum,
+                             float* row_max, float* row_sum) {
   for (int64_t h = 0; h < G; ++h) {
     float* sh = s + h * Lp;
     for (int64_t t = L; t < Lp; ++t) sh[t] = -3.0e38f;
@@ -272,7 +308,9 @@ MET_INLINE void softmax_rows(float* s, int64_t G, int64_t L, int64_t Lp, float* 
       }
       total += e;
     }
-    inv_sum[h] = 1.f / hsum(total);
+    row_max[h] = m;
+    row_sum[h] = hsum(total);
+    inv_sum[h] = 1.f / row_sum[h];
   }
 }
 
@@ -307,17 +345,59 @@ MET_INLINE void write_out(const Problem& p, int64_t i, int64_t g, const float* a
   }
 }
 
+// The end of a task: its heads' outputs, or (a chunk of a split context) the unnormalized
+// sums, the max and the sum of exps for merge_one.
+template <typename T, bool kPairs>
+MET_INLINE void finish(const Problem& p, const Span& t, const float* acc, const float* inv_sum,
+                       const float* row_max, const float* row_sum) {
+  if (t.partial == nullptr) {
+    write_out<T, kPairs>(p, t.i, t.g, acc, inv_sum);
+    return;
+  }
+  const int64_t Dp = padded_dim(p.D), G = p.H / p.Hkv;
+  for (int64_t h = 0; h < G; ++h) {
+    float* rec = t.partial + h * (Dp + 2);
+    std::memcpy(rec, acc + h * Dp, Dp * sizeof(float));
+    rec[Dp] = row_max[h];
+    rec[Dp + 1] = row_sum[h];
+  }
+}
+
+// Request i's output for kv head g from the records of its chunks, combined in chunk order:
+// each chunk's sums scaled by exp(its max - the overall max).
+template <typename T, bool kPairs>
+MET_INLINE void merge_one(const Problem& p, int64_t i, int64_t g, float* acc) {
+  const int64_t Dp = padded_dim(p.D), G = p.H / p.Hkv, rec_size = G * (Dp + 2);
+  const int64_t c0 = p.chunk_start[i], nc = p.chunk_start[i + 1] - c0;
+  const float* first = p.partials + (c0 * p.Hkv + g) * rec_size;
+  const int64_t chunk_stride = p.Hkv * rec_size;
+  float inv_sum[64];
+  for (int64_t h = 0; h < G; ++h) {
+    float m = -3.0e38f;
+    for (int64_t c = 0; c < nc; ++c) m = std::max(m, first[c * chunk_stride + h * (Dp + 2) + Dp]);
+    float total = 0.f;
+    float* ah = acc + h * Dp;
+    std::fill(ah, ah + Dp, 0.f);
+    for (int64_t c = 0; c < nc; ++c) {
+      const float* rec = first + c * chunk_stride + h * (Dp + 2);
+      const vfloat e = vexp_nonpositive(MET_SPLAT(rec[Dp] - m));
+      total += e[0] * rec[Dp + 1];
+      for (int64_t d = 0; d < Dp; d += kLanes) vstore(ah + d, vload(ah + d) + e * vload(rec + d));
+    }
+    inv_sum[h] = 1.f / total;
+  }
+  write_out<T, kPairs>(p, i, g, acc, inv_sum);
+}
+
 // Attention of the G = H / Hkv query heads of request i that share kv head g, for any layout:
 // rows are converted into a float32 tile, sixteen at a time. Everything is a function of this
 // request's own inputs, computed in one fixed order. next_task only steers a prefetch.
 template <typename T, bool kPairs>
-MET_INLINE void attend_one(const Problem& p, int64_t i, int64_t g, int64_t next_task,
-                           float* ws) {
+MET_INLINE void attend_one(const Problem& p, const Span& t, const Span* next, float* ws) {
   const int64_t D = p.D, Dp = padded_dim(D), G = p.H / p.Hkv;
-  const int64_t begin = p.offsets[i];
-  const int64_t L = p.offsets[i + 1] - begin;
+  const int64_t i = t.i, g = t.g, L = t.L;
   const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;
-  const int64_t* slots = p.slots + begin;
+  const int64_t* slots = t.slots;
   const T* kg = static_cast<const T*>(p.k) + g * p.k_s0;
   const T* vg = static_cast<const T*>(p.v) + g * p.v_s0;
 
@@ -353,8 +433,8 @@ MET_INLINE void attend_one(const Problem& p, int64_t i, int64_t g, int64_t next_
     }
   }
 
-  float inv_sum[64];  // G <= 64 is checked by the caller
-  softmax_rows(s, G, L, Lp, inv_sum);
+  float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
+  softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
 
   // Probability-weighted sum of the value rows. Even and odd positions of a tile go to
   // separate accumulators (added at the end of the tile): with four vectors of the output row
@@ -365,11 +445,9 @@ MET_INLINE void attend_one(const Problem& p, int64_t i, int64_t g, int64_t next_
     if (t0 + kLanes < L) {
       prefetch_rows(vg, p.v_s1, p.v_s2, slots + t0 + kLanes, std::min(kLanes, L - t0 - kLanes),
                     D);
-    } else if (next_task >= 0) {  // the first key tile of the task this thread runs next
-      const int64_t ni = next_task / p.Hkv, nb = p.offsets[ni];
-      const T* nk = static_cast<const T*>(p.k) + (next_task % p.Hkv) * p.k_s0;
-      prefetch_rows(nk, p.k_s1, p.k_s2, p.slots + nb, std::min(kLanes, p.offsets[ni + 1] - nb),
-                    D);
+    } else if (next != nullptr) {  // the first key tile of the task this thread runs next
+      const T* nk = static_cast<const T*>(p.k) + next->g * p.k_s0;
+      prefetch_rows(nk, p.k_s1, p.k_s2, next->slots, std::min(kLanes, next->L), D);
     }
     load_tile<T, kPairs>(vg, p.v_s1, p.v_s2, slots + t0, n, D, Dp, tile);
     for (int64_t h = 0; h < G; ++h) {
@@ -410,7 +488,7 @@ MET_INLINE void attend_one(const Problem& p, int64_t i, int64_t g, int64_t next_
     }
   }
 
-  write_out<T, kPairs>(p, i, g, acc, inv_sum);
+  finish<T, kPairs>(p, t, acc, inv_sum, row_max, row_sum);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -563,14 +641,12 @@ MET_INLINE void values_fast(const Problem& p, const T* vg, const int64_t* slots,
 // attend_one for contiguous rows with D % 32 == 0: the same maths on the same inputs (in
 // another, equally fixed, order), no tile.
 template <typename T>
-MET_INLINE void attend_fast(const Problem& p, int64_t i, int64_t g, int64_t next_task,
-                            float* ws) {
+MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, float* ws) {
   constexpr bool kPairs = !std::is_same_v<T, float>;
   const int64_t D = p.D, Dp = D, G = p.H / p.Hkv;
-  const int64_t begin = p.offsets[i];
-  const int64_t L = p.offsets[i + 1] - begin;
+  const int64_t i = t.i, g = t.g, L = t.L;
   const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;
-  const int64_t* slots = p.slots + begin;
+  const int64_t* slots = t.slots;
   const T* kg = static_cast<const T*>(p.k) + g * p.k_s0;
   const T* vg = static_cast<const T*>(p.v) + g * p.v_s0;
   float* qf = ws;            // [G, Dp]
@@ -588,8 +664,8 @@ MET_INLINE void attend_fast(const Problem& p, int64_t i, int64_t g, int64_t next
     }
   }
   prefetch_rows(vg, p.v_s1, p.v_s2, slots, std::min<int64_t>(kKeyBlock, L), D);
-  float inv_sum[64];  // G <= 64 is checked by the caller
-  softmax_rows(s, G, L, Lp, inv_sum);
+  float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
+  softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
   for (int64_t h0 = 0; h0 < G; h0 += kHeadBlock) {
     const float* wh = s + h0 * Lp;
     float* ah = acc + h0 * Dp;
@@ -599,35 +675,55 @@ MET_INLINE void attend_fast(const Problem& p, int64_t i, int64_t g, int64_t next
       default: values_fast<T, 1>(p, vg, slots, L, wh, Lp, ah, Dp); break;
     }
   }
-  if (next_task >= 0) {  // the first keys of the task this thread runs next
-    const int64_t ni = next_task / p.Hkv, nb = p.offsets[ni];
-    const T* nk = static_cast<const T*>(p.k) + (next_task % p.Hkv) * p.k_s0;
-    prefetch_rows(nk, p.k_s1, p.k_s2, p.slots + nb,
-                  std::min<int64_t>(kKeyBlock, p.offsets[ni + 1] - nb), D);
+  if (next != nullptr) {  // the first keys of the task this thread runs next
+    const T* nk = static_cast<const T*>(p.k) + next->g * p.k_s0;
+    prefetch_rows(nk, p.k_s1, p.k_s2, next->slots, std::min<int64_t>(kKeyBlock, next->L), D);
   }
-  write_out<T, kPairs>(p, i, g, acc, inv_sum);
+  finish<T, kPairs>(p, t, acc, inv_sum, row_max, row_sum);
 }
 
 MET_CLONES void attend_range_f32(const Problem& p, int64_t begin, int64_t end, float* ws) {
+  Span next = task_span(p, begin);
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t next = task + 1 < end ? task + 1 : -1;
+    const Span t = next;
+    if (task + 1 < end) next = task_span(p, task + 1);
+    const Span* ahead = task + 1 < end ? &next : nullptr;
     if (p.fast) {
-      attend_fast<float>(p, task / p.Hkv, task % p.Hkv, next, ws);
+      attend_fast<float>(p, t, ahead, ws);
     } else {
-      attend_one<float, false>(p, task / p.Hkv, task % p.Hkv, next, ws);
+      attend_one<float, false>(p, t, ahead, ws);
     }
   }
 }
 
 MET_CLONES void attend_range_bf16(const Problem& p, int64_t begin, int64_t end, float* ws) {
+  Span next = task_span(p, begin);
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t next = task + 1 < end ? task + 1 : -1;
+    const Span t = next;
+    if (task + 1 < end) next = task_span(p, task + 1);
+    const Span* ahead = task + 1 < end ? &next : nullptr;
     if (p.fast) {
-      attend_fast<c10::BFloat16>(p, task / p.Hkv, task % p.Hkv, next, ws);
+      attend_fast<c10::BFloat16>(p, t, ahead, ws);
     } else if (p.pairs) {
-      attend_one<c10::BFloat16, true>(p, task / p.Hkv, task % p.Hkv, next, ws);
+      attend_one<c10::BFloat16, true>(p, t, ahead, ws);
     } else {
-      attend_one<c10::BFloat16, false>(p, task / p.Hkv, task % p.Hkv, next, ws);
+      attend_one<c10::BFloat16, false>(p, t, ahead, ws);
+    }
+  }
+}
+
+// merge_one for the split requests among tasks begin..end-1 (request * Hkv + kv head).
+MET_CLONES void merge_range(const Problem& p, bool is_f32, int64_t begin, int64_t end,
+                            float* ws) {
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t i = task / p.Hkv, g = task % p.Hkv;
+    if (p.chunk_start[i + 1] - p.chunk_start[i] < 2) continue;
+    if (is_f32) {
+      merge_one<float, false>(p, i, g, ws);
+    } else if (p.pairs) {
+      merge_one<c10::BFloat16, true>(p, i, g, ws);
+    } else {
+      merge_one<c10::BFloat16, false>(p, i, g, ws);
     }
   }
 }
@@ -679,28 +775,48 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const bool pairs = q.scalar_type() == at::kBFloat16 && D % 32 == 0 &&
                      k_cache.stride(2) == 1 && v_cache.stride(2) == 1;
   const bool fast = D % 32 == 0 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1;
+  // Chunks of kSplit keys: one for most requests, several for long ones.
+  std::vector<int64_t> chunk_start(N + 1, 0), chunk_req;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t chunks = (off[i + 1] - off[i] + kSplit - 1) / kSplit;
+    chunk_start[i + 1] = chunk_start[i] + chunks;
+    chunk_req.insert(chunk_req.end(), chunks, i);
+  }
+  const int64_t num_chunks = chunk_start[N], G = H / Hkv;
+  std::vector<float> partials;
+  if (num_chunks > N) partials.resize(num_chunks * Hkv * G * (padded_dim(D) + 2));
   const Problem p{q.data_ptr(),       q.stride(0),       q.stride(1),       q.stride(2),
                   k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                   out.data_ptr(),     sl,                off,               H,
-                  Hkv,                D,                 static_cast<float>(scale), pairs, fast};
-  const size_t ws_size = workspace_floats(H / Hkv, padded_dim(D), max_len);
+                  Hkv,                D,                 static_cast<float>(scale), pairs, fast,
+                  chunk_start.data(), chunk_req.data(),  partials.data()};
+  const size_t ws_size = workspace_floats(G, padded_dim(D), std::min(max_len, kSplit));
   const bool is_f32 = q.scalar_type() == at::kFloat;
 
-  // One task per (request, kv head). Tasks never share outputs, and a task's arithmetic does
-  // not depend on which thread runs it, so the split over threads cannot change any result.
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
-    // Cache-line aligned scratch: a 64-byte vector store that straddles two lines costs about
-    // twice as much, and every tile element is stored once per key.
+  // Cache-line aligned scratch: a 64-byte vector store that straddles two lines costs about
+  // twice as much, and every tile element is stored once per key.
+  auto with_scratch = [ws_size](auto&& body) {
     std::vector<float> buf(ws_size + kLanes);
     const uintptr_t misalign = reinterpret_cast<uintptr_t>(buf.data()) % 64;
-    float* ws = buf.data() + (misalign ? (64 - misalign) / sizeof(float) : 0);
-    if (is_f32) {
-      attend_range_f32(p, begin, end, ws);
-    } else {
-      attend_range_bf16(p, begin, end, ws);
-    }
+    body(buf.data() + (misalign ? (64 - misalign) / sizeof(float) : 0));
+  };
+  // One task per (chunk, kv head). Tasks never share outputs, and a task's arithmetic does
+  // not depend on which thread runs it, so the split over threads cannot change any result.
+  at::parallel_for(0, num_chunks * Hkv, 1, [&](int64_t begin, int64_t end) {
+    with_scratch([&](float* ws) {
+      if (is_f32) {
+        attend_range_f32(p, begin, end, ws);
+      } else {
+        attend_range_bf16(p, begin, end, ws);
+      }
+    });
   });
+  if (num_chunks > N) {  // then the split requests' chunks are combined, in chunk order
+    at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
+      with_scratch([&](float* ws) { merge_range(p, is_f32, begin, end, ws); });
+    });
+  }
   return out;
 }
 
