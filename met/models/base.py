@@ -56,6 +56,9 @@ class CausalLM(nn.Module, ABC):
         for param in self.parameters():  # the GGUF integers were needed only for int4
             if getattr(param, "q4_blocks", None) is not None:
                 param.q4_blocks = None
+        for module in self.modules():  # bfloat16 on CPU: oneDNN's weight layout, once
+            if isinstance(module, (Linear, LMHead)):
+                module.pack()
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → parameter name; None skips the tensor. Override to rename."""
