@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from met.layers import fused_ops
 from met.sampling.grammar import apply_grammar_masks
 from met.sampling.params import SamplingParams
 from met.scheduler.request import Request
@@ -49,7 +50,7 @@ class Sampler:
         logits = process_logits(logits, requests)
         dead_ends = _apply_structure(logits, requests)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = fused_ops.argmax(logits)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)

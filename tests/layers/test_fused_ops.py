@@ -155,3 +155,16 @@ def test_float32_never_takes_the_fused_path(tiny_checkpoint, monkeypatch):
     out = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
                        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (64, 49152), (3, 17), (5, 100)])
+def test_argmax_is_torch_argmax_with_ties_nans_and_infs(shape):
+    t, v = shape
+    x = torch.randn(t, v, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    x[0, v // 3] = x[0, v // 2] = x[0].max() + 1  # a tie: the first index wins
+    assert int(fused_ops.argmax(x)[0]) == v // 3
+    x[-1, v - 1] = x[-1, 2] = float("nan")  # NaN counts as the maximum
+    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    x[0] = float("-inf")
+    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))

@@ -354,6 +354,53 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
   return q;
 }
 
+// ---- greedy argmax over float32 logits ----------------------------------------------------
+
+// Rows [r0, r1) of [T, V]: the index of each row's maximum, the first one on ties, a NaN
+// counting as the maximum (what torch.argmax returns).
+MET_CLONES void argmax_rows(const float* x, int64_t* out, int64_t r0, int64_t r1, int64_t V) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* row = x + r * V;
+    vfloat best = MET_SPLAT(-INFINITY);
+    vint nan_seen = {};
+    int64_t v = 0;
+    for (; v + kLanes <= V; v += kLanes) {
+      const vfloat chunk = load_f32(row + v);
+      nan_seen |= chunk != chunk;
+      best = chunk > best ? chunk : best;
+    }
+    float m = -INFINITY;
+    float lanes[kLanes];
+    std::memcpy(lanes, &best, sizeof(lanes));
+    for (int l = 0; l < kLanes; ++l) m = std::max(m, lanes[l]);
+    bool nan = false;
+    for (int l = 0; l < kLanes; ++l) nan |= nan_seen[l] != 0;
+    for (int64_t t = v; t < V; ++t) {
+      nan |= std::isnan(row[t]);
+      m = std::max(m, row[t]);
+    }
+    int64_t idx = 0;
+    if (nan) {
+      while (!std::isnan(row[idx])) ++idx;
+    } else {
+      while (row[idx] != m) ++idx;  // m is one of the row's values: the scan stops
+    }
+    out[r] = idx;
+  }
+}
+
+at::Tensor argmax_last(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "argmax: logits must be a contiguous non-empty 2-D float32 CPU tensor");
+  const int64_t T = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({T}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, T, grain_rows(V), [&](int64_t b, int64_t e) { argmax_rows(x, o, b, e, V); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
@@ -361,6 +408,7 @@ TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
         &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("argmax(Tensor logits) -> Tensor", &argmax_last);
   m.def(
       "rope_qkv_to_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_heads, "
