@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from met.layers import int4_gemv
+
 # Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
 # (docs/benchmarks.md: measured per layer shape of the embedded model).
 GEMV_MAX_ROWS = 4
@@ -89,10 +91,23 @@ class Int8Weight(_WeightOnly):
     # Both paths round x·q to bfloat16 and then multiply by the scale, so a row's result is
     # the same whichever path its batch takes (up to the rare accumulation-order ulp).
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.ones) * self.scale
+        return self._unscaled(x) * self.scale
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm_weight(x, self.qweight_bf16) * self.scale
+        return self._unscaled(x) * self.scale
+
+    def _unscaled(self, x: torch.Tensor) -> torch.Tensor:
+        """x · q rounded to bfloat16, by the kernel for its number of rows."""
+        if x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.ones)
+        return self._gemm_weight(x, self.qweight_bf16)
+
+    def float_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ in float32 (the LM head's logits): the bfloat16 x · q times the scale, a
+        product float32 holds exactly, instead of rounding it to bfloat16 once more (which
+        made distinct logits tie)."""
+        y = self._unscaled(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).float()
+        return y * self.scale.float()
 
     def dequantized(self) -> torch.Tensor:
         """The weights these integers stand for, float32 [N, K]."""
@@ -123,12 +138,18 @@ class Int4Weight(_WeightOnly):
             scale = ((hi - lo) / 15.0).clamp(min=1e-12).to(torch.bfloat16)
             q = torch.round((w - lo[..., None]) / scale.float()[..., None]).clamp(0, 15)
             q = q.to(torch.int32).reshape(n, k)
-        # The kernel computes (q - 8) · scale + zero; zero = min + 8 · scale.
+        # The kernels compute (q - 8) · scale + zero; zero = min + 8 · scale.
         zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        # [K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output channel.
-        self.register_buffer("scales_zeros",
-                             torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        # Few rows: int4_gemv (same bfloat16 weights as the many-rows path) where the CPU has
+        # AVX512-BF16, else torch's int4 kernel.
+        self.gemv_weights = (int4_gemv.pack(q, scale, zero) if weight.device.type == "cpu"
+                             and int4_gemv.available() else None)
+        if self.gemv_weights is None:
+            self.register_buffer("packed",
+                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            # [K / 32, N, 2]: torch's layout of (scale, zero) per group and output channel.
+            self.register_buffer("scales_zeros",
+                                 torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         deq = ((q.float().reshape(n, -1, INT4_GROUP) - 8.0) * scale.float()[..., None]
                + zero.float()[..., None])
         self.register_buffer("weight_bf16", deq.reshape(n, k).to(torch.bfloat16).contiguous())
@@ -136,6 +157,8 @@ class Int4Weight(_WeightOnly):
         self.out_features, self.in_features = n, k
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_weights is not None:
+            return int4_gemv.linear(x, self.gemv_weights, self.out_features)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP,
                                                           self.scales_zeros)
 
@@ -249,6 +272,8 @@ class LMHead(nn.Module):
         self.onednn_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.quantized, Int8Weight):
+            return self.quantized.float_product(hidden)
         if self.quantized is not None:
             return self.quantized(hidden).float()
         if self.onednn_weight is not None:

@@ -80,3 +80,36 @@ def test_preemption_keeps_output(model_dir, reference):
     assert _run(llm, _prompts(), GREEDY) == reference["greedy"]
     assert _run(llm, _prompts(), SEEDED) == reference["seeded"]
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool never forced a preemption"
+
+
+# ---- the fast CPU paths ---------------------------------------------------------------------
+# bfloat16 (fused ops, oneDNN's packed weights, one-row kernels) and int8 / int4 weight-only
+# (GEMV kernels for few rows, the bfloat16 matrix units for many): a request's tokens must not
+# depend on how many rows its step had, which kernel that picked, or how its prompt was cut.
+
+
+INT8_GAP = pytest.mark.xfail(
+    reason="int8's few-row kernel (torch's _weight_int8pack_mm) sums in another order than "
+           "its many-row path: with 16-token prefill chunks 1 of 10 prompts turns at token 8",
+    strict=False)
+
+
+@pytest.fixture(scope="module", params=[None, pytest.param("int8", marks=INT8_GAP), "int4"])
+def fast_path(request, tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+
+    def make(**kw) -> LLM:
+        return LLM(model, dtype="bfloat16", quantization=request.param, max_model_len=256,
+                   enable_prefix_caching=False, **kw)
+
+    alone = make()
+    reference = [_run(alone, [p], GREEDY)[0] for p in _prompts()]
+    return make, reference
+
+
+def test_fast_paths_batched_and_chunked_equal_alone(fast_path):
+    make, reference = fast_path
+    llm = make()
+    assert _run(llm, _prompts(), GREEDY) == reference
+    assert _run(llm, _prompts()[::-1], GREEDY) == reference[::-1]
+    assert _run(make(max_num_batched_tokens=16), _prompts(), GREEDY) == reference
