@@ -62,7 +62,7 @@ def test_embedded_smollm2_bfloat16_stays_close_to_float32():
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
     ref = LLM(None, dtype="float32", max_model_len=256).generate(PROMPTS[:1], params)[0]
     bf16 = LLM(None, dtype="bfloat16", quantization="none", max_model_len=256)
-    assert bf16.engine.quantization is None  # (auto would pick int4 for this Q4_1 file)
+    assert bf16.engine.quantization is None
     out = bf16.generate(PROMPTS[:1], params)[0]
     assert "Paris" in out.outputs[0].text
     # Score the float32 continuation under bf16 (prompt + ref tokens, one token at a time).
@@ -79,15 +79,18 @@ def test_embedded_smollm2_bfloat16_stays_close_to_float32():
 
 
 def test_embedded_smollm2_auto_path_and_its_distance_from_float32():
-    """dtype/quantization auto on this Q4_1 GGUF: bfloat16 + int4 (the file's own integers)
-    where the CPU has bfloat16 matrix units, float32 and none elsewhere. Scored on float32's
-    greedy continuations, the auto path stays within 0.25 nats on average and keeps every
-    float32 token in its top 20 (measured for int4: ~0.07 mean, docs/benchmarks.md)."""
+    """dtype/quantization auto on this Q4_1 GGUF for a single-user server (max_num_seqs 1):
+    bfloat16 + int4 (the file's own integers) where the CPU has bfloat16 matrix units,
+    float32 and none elsewhere; the default server (64 sequences) keeps bfloat16 weights.
+    Scored on float32's greedy continuations, the int4 path stays within 0.25 nats on average
+    and keeps every float32 token in its top 20 (measured: ~0.07 mean, docs/benchmarks.md)."""
     from met.config import cpu_has_native_bf16
 
-    auto = LLM(None, max_model_len=256)
+    auto = LLM(None, max_model_len=256, max_num_seqs=1)
     want = ((torch.bfloat16, "int4") if cpu_has_native_bf16() else (torch.float32, None))
     assert (auto.engine.dtype, auto.engine.quantization) == want
+    default = LLM(None, max_model_len=256)
+    assert default.engine.quantization is None
     ref = LLM(None, dtype="float32", quantization="none", max_model_len=256)
     assert (ref.engine.dtype, ref.engine.quantization) == (torch.float32, None)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -105,7 +105,7 @@ def test_auto_picks_int4_for_q4_weights_in_bfloat16_and_stays_close(q4_checkpoin
     """auto → bfloat16 + int4, said in one INFO line; float32's greedy tokens scored under it
     move by < 0.1 nats on average (int4 of the same integers: only bf16 rounding differs)."""
     with caplog.at_level("INFO", logger="met.loader.model_loader"):
-        auto = LLM(q4_checkpoint, max_model_len=256)
+        auto = LLM(q4_checkpoint, max_model_len=256, max_num_seqs=4)
     assert (auto.engine.dtype, auto.engine.quantization) == (torch.bfloat16, "int4")
     said = [r.getMessage() for r in caplog.records if "quantization auto" in r.getMessage()]
     assert len(said) == 1 and "int4" in said[0] and "Q4_0/Q4_1" in said[0]
@@ -124,8 +124,20 @@ def test_auto_picks_int4_for_q4_weights_in_bfloat16_and_stays_close(q4_checkpoin
     assert auto.kv_stats().num_blocks_in_use == 0
 
 
+def test_auto_keeps_bfloat16_weights_for_a_many_sequence_server(q4_checkpoint, bf16_cpu,
+                                                                 caplog):
+    """Above 4 sequences at once int4 is no faster than bfloat16: auto leaves Q4 weights
+    dequantized (the default server, max_num_seqs 64), and says why."""
+    with caplog.at_level("INFO", logger="met.loader.model_loader"):
+        llm = LLM(q4_checkpoint, max_model_len=64, max_num_seqs=5)
+    assert (llm.engine.dtype, llm.engine.quantization) == (torch.bfloat16, None)
+    assert any("quantization auto → none: up to 5 sequences" in r.getMessage()
+               for r in caplog.records)
+    assert LLM(q4_checkpoint, max_model_len=64).engine.quantization is None
+
+
 def test_auto_keeps_float32_and_no_quantization_without_bf16_units(q4_checkpoint, plain_cpu):
-    llm = LLM(q4_checkpoint, max_model_len=64)
+    llm = LLM(q4_checkpoint, max_model_len=64, max_num_seqs=1)
     assert (llm.engine.dtype, llm.engine.quantization) == (torch.float32, None)
 
 
@@ -160,5 +172,5 @@ def test_auto_does_not_pick_int4_when_only_some_weights_are_q4(tiny_checkpoint, 
             yield name, _q4(tensor) if name.endswith("mlp.up_proj.weight") else tensor
 
     monkeypatch.setattr(model_loader, "iter_safetensors", some_q4)
-    llm = LLM(str(tiny_checkpoint("llama")), max_model_len=64)
+    llm = LLM(str(tiny_checkpoint("llama")), max_model_len=64, max_num_seqs=1)
     assert (llm.engine.dtype, llm.engine.quantization) == (torch.bfloat16, None)
