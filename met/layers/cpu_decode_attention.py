@@ -31,25 +31,17 @@ the register-blocked path), vs ~2.4 ms for the loop; docs/benchmarks.md has the 
 single-core L3 read roof of ~25 GB/s (~0.34 ms). Neither vdpbf16ps nor AMX tiles for the
 scores made it faster.
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension.load_inline`` and cached
-per process. Without a working compiler the module logs one warning and falls back to
+The kernel is compiled on first use (met.layers.native) and cached per process. Without a
+working compiler the loader logs one warning and this module falls back to
 `decode_attention_reference`, a per-request SDPA loop with the same semantics.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import shutil
-import time
-from collections.abc import Callable
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from met.layers.native import load_native_ops
 
 # The build's name and the op namespace the library registers (torch.ops.<name>). torch
 # rebuilds by itself when the source changes; bump the suffix if two versions of this source
@@ -57,61 +49,11 @@ log = logging.getLogger(__name__)
 _EXT_NAME = "met_cpu_decode_attn_v3"
 
 
-def _cpp_source() -> str:
-    """The kernel's C++ source, shipped beside this module (met/layers/csrc)."""
-    return (Path(__file__).parent / "csrc" / "decode_attention.cpp").read_text()
-
-
-@functools.lru_cache(maxsize=1)
-def _native_kernel() -> Callable[..., torch.Tensor] | None:
-    """Compile (first call in this process) and load the kernel; None when that fails.
-
-    lru_cache makes this the module's only state: one compile attempt, and at most one
-    warning, per process. The build itself is cached on disk by torch (keyed on the source),
-    so later processes only load the shared library.
-    """
-    from torch.utils.cpp_extension import load_inline
-
-    start = time.perf_counter()
-    try:
-        _put_pip_ninja_on_path()
-        lib_path = load_inline(
-            name=_EXT_NAME,
-            cpp_sources=[_cpp_source()],
-            # Our headers are enough; the implicit <torch/extension.h> doubles compile time.
-            no_implicit_headers=True,
-            # A plain shared library registering a dispatcher op: no pybind11 to compile.
-            is_python_module=False,
-            # -fopenmp: at::parallel_for's OpenMP backend is header code, compiled into us.
-            # No -march flags: the binary must run on any x86-64 (ISA dispatch is in-source).
-            # No -ffast-math: the fixed summation order is what makes results reproducible.
-            extra_cflags=["-O3", "-fopenmp", "-Wno-psabi", f"-DMET_OP_NAMESPACE={_EXT_NAME}"],
-            extra_ldflags=["-fopenmp"],
-        )
-        torch.ops.load_library(lib_path)
-        op = getattr(torch.ops, _EXT_NAME).decode_attention
-    except Exception as exc:  # no compiler, no ninja, broken toolchain: all mean "fall back"
-        log.warning(
-            "CPU decode-attention kernel unavailable, using the per-request SDPA loop "
-            "(%s: %.2000s)",
-            type(exc).__name__,
-            exc,
-        )
-        return None
-    log.info("CPU decode-attention kernel ready in %.1f s", time.perf_counter() - start)
-    return op
-
-
-def _put_pip_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the pip package's binary is missing from it when the
-    environment's python is run without activating the environment."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # load_inline will say that ninja is missing
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+def _native_kernel():
+    """The compiled op (built on the first call in this process), or None when the build
+    failed (met.layers.native logged why, once)."""
+    ops = load_native_ops(_EXT_NAME, "decode_attention.cpp")
+    return None if ops is None else ops.decode_attention
 
 
 def decode_attention_available() -> bool:

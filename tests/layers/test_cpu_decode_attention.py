@@ -220,6 +220,6 @@ print("FELL_BACK")
     warnings = [
         line
         for line in proc.stderr.splitlines()
-        if line.startswith("WARNING met.layers.cpu_decode_attention")
+        if line.startswith("WARNING met.layers.native") and "decode_attention.cpp" in line
     ]
     assert len(warnings) == 1, proc.stderr[-3000:]
