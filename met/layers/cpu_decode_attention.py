@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from met.layers.native import load_native_ops
+from met.layers.native import native_op
 
 # The build's name and the op namespace the library registers (torch.ops.<name>). torch
 # rebuilds by itself when the source changes; bump the suffix if two versions of this source
@@ -52,8 +52,7 @@ _EXT_NAME = "met_cpu_decode_attn_v3"
 def _native_kernel():
     """The compiled op (built on the first call in this process), or None when the build
     failed (met.layers.native logged why, once)."""
-    ops = load_native_ops(_EXT_NAME, "decode_attention.cpp")
-    return None if ops is None else ops.decode_attention
+    return native_op(_EXT_NAME, "decode_attention.cpp", "decode_attention")
 
 
 def decode_attention_available() -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from met.layers.native import load_native_ops
+from met.layers.native import load_native_ops, native_op
 
 _NAME = "met_fused_ops_v3"
 
@@ -36,17 +36,21 @@ def available(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _ops() is not None
 
 
+def _op(name: str):
+    return native_op(_NAME, "fused_ops.cpp", name)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _ops().rms_norm(x, weight, eps)
+    return _op("rms_norm")(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ops().add_rms_norm(x, delta, weight, eps)
+    return _op("add_rms_norm")(x, delta, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return _ops().silu_mul(gate_up)
+    return _op("silu_mul")(gate_up)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -61,5 +65,5 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def rope_qkv_to_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    return _ops().rope_qkv_to_cache(qkv, positions, cos, sin, k_cache, v_cache, slots,
+    return _op("rope_qkv_to_cache")(qkv, positions, cos, sin, k_cache, v_cache, slots,
                                     num_heads, num_kv_heads)

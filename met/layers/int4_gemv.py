@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from met.layers.native import load_native_ops
+from met.layers.native import load_native_ops, native_op
 
 _NAME = "met_int4_gemv_v6"
 
@@ -37,4 +37,5 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 def linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
            out_features: int) -> torch.Tensor:
     """x [M, K] (contiguous bfloat16) times the packed weights: bfloat16 [M, out_features]."""
-    return _ops().linear(x, *packed, out_features)
+    qpacked, scale, zero = packed
+    return native_op(_NAME, "int4_gemv.cpp", "linear")(x, qpacked, scale, zero, out_features)

@@ -37,6 +37,11 @@ class _WeightOnly(nn.Module):
     out_features: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
+            # The decode step's shape: no reshapes or casts (each costs Python time per layer).
+            if x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
+                return self._gemv(x.contiguous())
+            return self._gemm(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if x2.shape[0] <= GEMV_MAX_ROWS and x2.device.type == "cpu":
@@ -99,7 +104,8 @@ class Int8Weight(_WeightOnly):
     def _unscaled(self, x: torch.Tensor) -> torch.Tensor:
         """x · q rounded to bfloat16, by the kernel for its number of rows."""
         if x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
-            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.ones)
+            return torch.ops.aten._weight_int8pack_mm.default(x.contiguous(), self.qweight,
+                                                              self.ones)
         return self._gemm_weight(x, self.qweight_bf16)
 
     def float_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +194,7 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
                   ) -> torch.Tensor:
     """x Wᵀ (+ bias) with a weight from `onednn_pack`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [None], "")
 
 
 class Linear(nn.Module):
@@ -207,7 +213,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized(x).to(x.dtype)
+            y = self.quantized(x)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.onednn_weight is not None:
             return onednn_linear(x, self.onednn_weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -67,3 +67,12 @@ def _put_pip_ninja_on_path() -> None:
     except ImportError:
         return  # load_inline will say that ninja is missing
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def native_op(name: str, source: str, op: str):
+    """``torch.ops.<name>.<op>.default`` (see `load_native_ops`), or None when the build
+    failed. Calling the overload directly skips the packet's per-call overload lookup, which
+    cost more than some of the kernels themselves at decode sizes (~120 calls per step)."""
+    ops = load_native_ops(name, source)
+    return None if ops is None else getattr(ops, op).default
