@@ -56,10 +56,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for float32 [T, V] CPU logits, natively when the
     kernels are built (first maximum on ties, a NaN counting as the maximum)."""
-    ops = _ops() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if ops is None or logits.dim() != 2 or logits.shape[1] == 0:
-        return logits.argmax(dim=-1)
-    return ops.argmax(logits.contiguous())
+    native = logits.device.type == "cpu" and logits.dtype == torch.float32
+    op = _op("argmax") if native and logits.dim() == 2 and logits.shape[1] > 0 else None
+    return logits.argmax(dim=-1) if op is None else op(logits.contiguous())
 
 
 def rope_qkv_to_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -17,6 +17,8 @@ dequantized from the same integers for many.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,51 +30,44 @@ from met.layers import int4_gemv
 GEMV_MAX_ROWS = 4
 
 
-class _WeightOnly(nn.Module):
-    """Shared by the weight-only layers: flatten to rows of bfloat16, pick the kernel by the
-    number of rows (``_gemv`` up to GEMV_MAX_ROWS on the CPU, ``_gemm`` above), add the bias.
-    Subclasses set ``bias`` and ``out_features``."""
+class _WeightOnly(nn.Module, ABC):
+    """Shared by the weight-only layers: rows of bfloat16 go through ``_gemv`` (the
+    subclass's kernel) up to GEMV_MAX_ROWS on the CPU and through the bfloat16 matrix units
+    over ``weight_bf16`` (oneDNN's packed copy once `pack` ran) above; then the bias.
+    Subclasses register ``weight_bf16`` and ``bias`` and set ``out_features``."""
 
     bias: torch.Tensor | None
     out_features: int
+    onednn_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
-            # The decode step's shape: no reshapes or casts (each costs Python time per layer).
-            if x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
-                return self._gemv(x.contiguous())
-            return self._gemm(x)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if x2.shape[0] <= GEMV_MAX_ROWS and x2.device.type == "cpu":
-            y = self._gemv(x2.contiguous())
-        else:
-            y = self._gemm(x2)
+        # The decode step's 2-D bfloat16 rows need no reshape or cast (each costs Python time
+        # per layer).
+        plain = x.dim() == 2 and x.dtype == torch.bfloat16
+        x2 = x if plain else x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = self._product(x2)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if plain else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _gemm_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x times the many-rows path's bfloat16 weight, from oneDNN's copy once packed."""
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bfloat16 times the weights, by the kernel for its number of rows."""
+        if x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
+            return self._gemv(x.contiguous())
         if self.onednn_weight is not None:
             return onednn_linear(x, self.onednn_weight, None)
-        return F.linear(x, weight)
+        return F.linear(x, self.weight_bf16)
 
-    onednn_weight: torch.Tensor | None = None
+    @abstractmethod
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-rows kernel over the quantized weights."""
 
     def pack(self) -> None:
         """Keep the many-rows path's weight in oneDNN's layout (see `onednn_pack`)."""
-        name = "qweight_bf16" if hasattr(self, "qweight_bf16") else "weight_bf16"
-        packed = onednn_pack(getattr(self, name))
+        packed = onednn_pack(self.weight_bf16)
         if packed is not None:
             self.onednn_weight = packed
-            setattr(self, name, None)
+            self.weight_bf16 = None
 
 
 class Int8Weight(_WeightOnly):
@@ -89,30 +84,24 @@ class Int8Weight(_WeightOnly):
         self.register_buffer("scale", scale)
         self.register_buffer("ones", torch.ones_like(scale))
         # The integers as bfloat16 (exact), for the many-rows path.
-        self.register_buffer("qweight_bf16", q.to(torch.bfloat16).contiguous())
+        self.register_buffer("weight_bf16", q.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         self.out_features, self.in_features = q.shape
 
     # Both paths round x·q to bfloat16 and then multiply by the scale, so a row's result is
     # the same whichever path its batch takes (up to the rare accumulation-order ulp).
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return super()._product(x) * self.scale
+
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return self._unscaled(x) * self.scale
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._unscaled(x) * self.scale
-
-    def _unscaled(self, x: torch.Tensor) -> torch.Tensor:
-        """x · q rounded to bfloat16, by the kernel for its number of rows."""
-        if x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
-            return torch.ops.aten._weight_int8pack_mm.default(x.contiguous(), self.qweight,
-                                                              self.ones)
-        return self._gemm_weight(x, self.qweight_bf16)
+        """x · q rounded to bfloat16 (unscaled)."""
+        return torch.ops.aten._weight_int8pack_mm.default(x, self.qweight, self.ones)
 
     def float_product(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ in float32 (the LM head's logits): the bfloat16 x · q times the scale, a
         product float32 holds exactly, instead of rounding it to bfloat16 once more (which
         made distinct logits tie)."""
-        y = self._unscaled(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).float()
+        y = super()._product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).float()
         return y * self.scale.float()
 
     def dequantized(self) -> torch.Tensor:
@@ -167,9 +156,6 @@ class Int4Weight(_WeightOnly):
             return int4_gemv.linear(x, self.gemv_weights, self.out_features)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP,
                                                           self.scales_zeros)
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm_weight(x, self.weight_bf16)
 
 
 QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight}
