@@ -24,7 +24,7 @@ import torch
 
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_fused_ops_v3"
+_NAME = "met_fused_ops_v4"
 
 
 def _ops():

@@ -38,6 +38,7 @@ def load_native_ops(name: str, source: str) -> object | None:
         lib_path = load_inline(
             name=name,
             cpp_sources=[(CSRC / source).read_text()],
+            extra_include_paths=[str(CSRC)],  # met_simd.h, shared by the kernels
             # The sources include the few ATen headers they need; the implicit
             # <torch/extension.h> (pybind11 and all of torch's C++ API) doubles compile time.
             no_implicit_headers=True,

@@ -22,29 +22,11 @@
 #include <cstring>
 #include <tuple>
 
+#include "met_simd.h"
+
 namespace {
 
-#define MET_INLINE inline __attribute__((always_inline))
-
-// One binary for any x86-64: the loader picks the best clone this CPU supports.
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define MET_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef MET_CLONES
-#define MET_CLONES
-#endif
-
-// Sixteen lanes as GCC/Clang vector types; every clone maps them onto its own registers.
-constexpr int64_t kLanes = 16;
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
 typedef uint16_t vhalf __attribute__((vector_size(32)));
-
-#define MET_SPLAT(x) ((x) - vfloat{})
 
 // Sixteen bfloat16 values widened (exactly) to float32, in order.
 MET_INLINE vfloat load_bf16(const uint16_t* p) {
@@ -54,14 +36,6 @@ MET_INLINE vfloat load_bf16(const uint16_t* p) {
   vfloat f;
   std::memcpy(&f, &w, sizeof(f));
   return f;
-}
-
-// float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0 (what c10::BFloat16 does).
-MET_INLINE vuint bf16_bits(vfloat f) {
-  vuint u;
-  std::memcpy(&u, &f, sizeof(u));
-  const vuint rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? vuint{} + 0x7FC0u : rounded;
 }
 
 MET_INLINE void store_bf16(uint16_t* p, vfloat f) {
@@ -75,12 +49,6 @@ MET_INLINE vfloat round_bf16(vfloat f) {
   vfloat r;
   std::memcpy(&r, &w, sizeof(r));
   return r;
-}
-
-MET_INLINE vfloat load_f32(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
 }
 
 // The first n (<= 16) lanes of the same, the others zero: rows whose length is not a whole
@@ -100,20 +68,10 @@ MET_INLINE void store_bf16_n(uint16_t* p, vfloat f, int64_t n) {
 }
 
 MET_INLINE vfloat load_f32_n(const float* p, int64_t n) {
-  if (n == kLanes) return load_f32(p);
+  if (n == kLanes) return vload(p);
   float tmp[kLanes] = {};
   std::memcpy(tmp, p, n * sizeof(float));
-  return load_f32(tmp);
-}
-
-// Fixed-order sum of the sixteen lanes.
-MET_INLINE float hsum(vfloat v) {
-  float t[kLanes];
-  std::memcpy(t, &v, sizeof(t));
-  for (int w = kLanes / 2; w > 0; w /= 2) {
-    for (int l = 0; l < w; ++l) t[l] += t[l + w];
-  }
-  return t[0];
+  return vload(tmp);
 }
 
 // exp(x), sixteen at a time: Cephes' expf polynomial (about 1 ulp), clamped to [-87, 88] so
@@ -365,7 +323,7 @@ MET_CLONES void argmax_rows(const float* x, int64_t* out, int64_t r0, int64_t r1
     vint nan_seen = {};
     int64_t v = 0;
     for (; v + kLanes <= V; v += kLanes) {
-      const vfloat chunk = load_f32(row + v);
+      const vfloat chunk = vload(row + v);
       nan_seen |= chunk != chunk;
       best = chunk > best ? chunk : best;
     }
