@@ -45,13 +45,31 @@ def test_percentile_matches_numpy_linear_interpolation():
         percentile(xs, 101)
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_rung_percentiles_reflect_the_servers_delays(fake, endpoint):
-    rung = _sweep(fake, endpoint=endpoint).rungs[0]
-    assert rung.requests == 8 and rung.errors == 0
+def _ttfts_within_slack(rung) -> bool:
+    """Every TTFT percentile at or above the server's delay (always, a measuring bug
+    otherwise) and no more than SLACK_S above it (unless the machine stalled)."""
     for q, measured in ((50, rung.ttft_p50_ms), (90, rung.ttft_p90_ms), (99, rung.ttft_p99_ms)):
         expected = percentile(TTFTS, q) * 1000
-        assert expected <= measured <= expected + SLACK_S * 1000, (q, measured, expected)
+        assert expected <= measured, (q, measured, expected)
+        if measured > expected + SLACK_S * 1000:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_rung_percentiles_reflect_the_servers_delays(fake, endpoint):
+    # One unmeasured request first pays the client's and server's first-use costs; it takes
+    # one delay of the cycle, so the rung's eight still see each delay once. A stall of the
+    # whole (2-core, shared) machine can still push a rung past the slack: up to three tries,
+    # each of which must keep every percentile at or above the true delay.
+    for _ in range(3):
+        rung = _sweep(fake, endpoint=endpoint, warmup=1).rungs[0]
+        assert rung.requests == 8 and rung.errors == 0
+        if _ttfts_within_slack(rung):
+            break
+    else:
+        pytest.fail(f"TTFT percentiles stayed more than {SLACK_S}s above the server's delays "
+                    f"in three tries: {rung.ttft_p50_ms, rung.ttft_p90_ms, rung.ttft_p99_ms}")
     assert rung.ttft_p90_ms > rung.ttft_p50_ms + 100  # the slow tail is visible
     assert TPOT * 1000 <= rung.tpot_p50_ms <= (TPOT + 0.03) * 1000
     # e2e = ttft + 5 gaps of TPOT; the median request's ttft is between 0.20 and 0.25.
