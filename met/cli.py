@@ -21,11 +21,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else "
                         "float32 (float32 is the exact reference)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantized linear layers with bfloat16 activations: int8 "
-                        "(per output channel) or int4 (groups of 32; a Q4_0/Q4_1 GGUF keeps "
-                        "its own integers exactly); auto: int4 for a Q4_0/Q4_1 GGUF when the "
-                        "dtype is bfloat16 on the CPU, else none")
+    p.add_argument("--quantization", default="auto",
+                   choices=["auto", "none", "int8", "int4", "w8a8"],
+                   help="quantized linear layers: int8 (per output channel) or int4 (groups "
+                        "of 32; a Q4_0/Q4_1 GGUF keeps its own integers exactly) weight-only "
+                        "with bfloat16 activations, or w8a8 (int8 weights per channel and "
+                        "int8 activations per row, the fastest at few streams); auto: w8a8 "
+                        "(int4 without AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on the "
+                        "CPU with --max-num-seqs <= 16, else none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

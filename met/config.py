@@ -12,8 +12,9 @@ _DTYPES = {
     "float16": torch.float16,
 }
 
-# Weight-only quantized linear layers (bfloat16 activations).
-QUANTIZATIONS = ("int8", "int4")
+# Quantized linear layers: int8 / int4 weight-only (bfloat16 activations), w8a8 int8 weights
+# and int8 activations (met/layers/w8a8.py).
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 # What --quantization / EngineConfig.quantization accept; "none" (or None) turns it off and
 # "auto" lets the loader decide from the model file (met/loader/auto_quant.py).
 QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
@@ -62,8 +63,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     seed: int = 0
-    # "int8" / "int4": weight-only quantized linear layers; "none" or None: off; "auto": the
-    # loader picks int4 for a Q4_0/Q4_1 GGUF in bfloat16, else none (see met/loader/auto_quant)
+    # "int8" / "int4": weight-only quantized linear layers; "w8a8": int8 weights and
+    # activations; "none" or None: off; "auto": the loader picks w8a8 (int4 without
+    # AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU serving at most 16 sequences,
+    # else none (see met/loader/auto_quant)
     quantization: str | None = "auto"
 
     def __post_init__(self) -> None:

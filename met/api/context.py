@@ -105,7 +105,7 @@ class ModelInfo:
     limits: ModelLimits
     root: str
     dtype: str
-    quantization: str  # "int8", "int4" or "none" (what --quantization auto chose, if auto)
+    quantization: str  # "int8", "int4", "w8a8" or "none" (what --quantization auto chose, if auto)
 
 
 class ServerContext:

@@ -49,6 +49,11 @@ class ForwardBatch:
     positions: torch.Tensor  # long [T]
     slot_mapping: torch.Tensor  # long [T]: flat KV slot (block * block_size + offset) per token
     seqs: tuple[SeqSpan, ...]
+    # Every query row, prompt rows too, attends alone through the one-row (decode) kernel:
+    # its result is then bitwise the same however its prompt was chunked or batched
+    # (CausalLM.row_attention; on for w8a8, whose int8 rounding of activations would turn
+    # the prefill kernel's chunk-dependent last bits into different tokens).
+    row_attention: bool = False
     # Per-step values the layers share (attention plans per window, rotary cos/sin at these
     # positions), by key: computed by the first layer that needs them.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -61,16 +66,24 @@ class ForwardBatch:
         key = ("window_plan", window)
         plan = self.memo.get(key)
         if plan is None:
-            plan = self.memo[key] = _build_plan(self.seqs, window)
+            plan = self.memo[key] = _build_plan(self.seqs, window, self.row_attention)
         return plan
 
 
-def _build_plan(seqs: tuple[SeqSpan, ...], window: int | None) -> WindowPlan:
+def _build_plan(seqs: tuple[SeqSpan, ...], window: int | None,
+                row_attention: bool = False) -> WindowPlan:
     rows: list[int] = []
     slot_parts: list[torch.Tensor] = []
     offsets = [0]
     per_seq = []
     for span in seqs:
+        if row_attention and span.q_len > 1:
+            slots, lengths = _row_slots(span, window)
+            rows.extend(range(span.q_start, span.q_start + span.q_len))
+            slot_parts.append(slots)
+            for n in lengths.tolist():
+                offsets.append(offsets[-1] + n)
+            continue
         slots, mask = _span_plan(span, window)
         if span.q_len == 1 and mask is None:
             rows.append(span.q_start)
@@ -85,6 +98,19 @@ def _build_plan(seqs: tuple[SeqSpan, ...], window: int | None) -> WindowPlan:
         decode_offsets=torch.tensor(offsets, dtype=torch.long, device=dev),
         per_seq=per_seq,
     )
+
+
+def _row_slots(span: SeqSpan, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row of ``span`` as its own one-token query: the concatenated slots of the
+    keys every row sees (positions up to its own, within the window) and their counts."""
+    dev = span.ctx_slots.device
+    q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=dev)
+    first = torch.zeros_like(q_pos) if window is None else (q_pos - window + 1).clamp(min=0)
+    lengths = q_pos + 1 - first
+    starts = torch.cumsum(lengths, 0) - lengths
+    keys = torch.arange(int(lengths.sum()), device=dev) - torch.repeat_interleave(
+        starts - first, lengths)
+    return span.ctx_slots[keys], lengths
 
 
 def _span_plan(span: SeqSpan, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from met.layers import int4_gemv
+from met.layers.w8a8 import Int8Dynamic
 
 # Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
 # (docs/benchmarks.md: measured per layer shape of the embedded model).
@@ -158,7 +159,7 @@ class Int4Weight(_WeightOnly):
                                                           self.scales_zeros)
 
 
-QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight}
+QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8Dynamic}
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -199,7 +200,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            y = self.quantized(x)
+            # .forward: nn.Module's __call__ (hooks, tracing checks) costs a few µs, and a
+            # decode step makes ~120 of these calls; the quantized module has no hooks.
+            y = self.quantized.forward(x)
             return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.onednn_weight is not None:
             return onednn_linear(x, self.onednn_weight, self.bias)
@@ -265,7 +268,7 @@ class LMHead(nn.Module):
         self.onednn_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.quantized, Int8Weight):
+        if isinstance(self.quantized, (Int8Weight, Int8Dynamic)):
             return self.quantized.float_product(hidden)
         if self.quantized is not None:
             return self.quantized(hidden).float()

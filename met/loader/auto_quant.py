@@ -1,15 +1,19 @@
-"""``quantization="auto"``: decide, once the weights are loaded, whether int4 pays.
+"""``quantization="auto"``: decide, once the weights are loaded, whether quantization pays.
 
-int4 weight-only reproduces a Q4_0 / Q4_1 GGUF's own integers exactly (the loader keeps them
-as ``q4_blocks`` on each weight; see met/layers/linear.py ``Int4Weight``), so for such a file
-it computes with the same weights as the file. On the CPU it is the fastest path while a step
-decodes at most ``GEMV_MAX_ROWS`` sequences (its GEMV kernels read a quarter of bfloat16's
-bytes); with more rows both run the same bfloat16 matrix units and int4 only adds its integer
-copy. And on the embedded 135M model bfloat16 activations over the 4-bit weights answer some
-prompts worse than bfloat16 weights do (docs/benchmarks.md, quality). So auto picks int4 only
-for a server that never decodes more than GEMV_MAX_ROWS sequences at once (``max_num_seqs``),
-the single-user case it wins outright. Any other checkpoint would be re-quantized (lossy), so
-auto leaves it alone.
+Only for a Q4_0 / Q4_1 GGUF: its weights are already 4-bit, so the user has chosen a lossy
+model; any other checkpoint would be re-quantized, and auto leaves it alone. For such a file,
+in bfloat16 on the CPU, with at most W8A8_MAX_SEQS sequences decoding at once:
+
+- w8a8 where the CPU has AVX512-VNNI: int8 weights per channel and int8 activations per row
+  (met/layers/w8a8.py), llama.cpp's own way to run a Q4 file (it quantizes activations to 8
+  bits too). Decode at those batch sizes is memory-bound and its GEMV kernel reads one byte
+  per weight with no conversions: on the embedded model 1.4x int4's speed at 1 stream and 1.5x
+  bfloat16's at 4 (docs/benchmarks.md); its outputs are bitwise batch-invariant. Above
+  W8A8_MAX_SEQS rows a step multiplies on the matrix units, where bfloat16 weights are as
+  fast and closer to float32.
+- else int4 weight-only with at most GEMV_MAX_ROWS sequences (the file's own integers, few-
+  row GEMV kernel).
+- else none.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from met.layers import w8a8
 from met.layers.linear import GEMV_MAX_ROWS, Linear
+
+# Sequences up to which a decode step stays on w8a8's GEMV kernel (every layer but the head).
+W8A8_MAX_SEQS = w8a8.GEMV_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -32,9 +40,9 @@ class QuantizationChoice:
 
 def choose_quantization(net: nn.Module, dtype: torch.dtype, device: torch.device,
                         max_num_seqs: int = 64) -> QuantizationChoice:
-    """int4 when every linear layer of the loaded (not yet prepared) model holds Q4_0 / Q4_1
-    integers from its GGUF, activations are bfloat16, the device is the CPU and at most
-    GEMV_MAX_ROWS sequences decode at once; else none."""
+    """w8a8 (or int4 without AVX512-VNNI) when every linear layer of the loaded (not yet
+    prepared) model holds Q4_0 / Q4_1 integers from its GGUF, activations are bfloat16, the
+    device is the CPU and few sequences decode at once; else none."""
     linears = [m for name, m in net.named_modules()
                if isinstance(m, Linear) and name != "lm_head"]  # the head is int8 either way
     q4 = sum(getattr(m.weight, "q4_blocks", None) is not None for m in linears)
@@ -43,15 +51,22 @@ def choose_quantization(net: nn.Module, dtype: torch.dtype, device: torch.device
                                         f"linear weights are Q4_0/Q4_1)")
     if dtype != torch.bfloat16:
         name = str(dtype).removeprefix("torch.")
-        return QuantizationChoice(None, f"none: the int4 kernels take bfloat16 activations and "
-                                        f"the dtype is {name}")
+        return QuantizationChoice(None, f"none: the quantized kernels take bfloat16 "
+                                        f"activations and the dtype is {name}")
     if device.type != "cpu":
-        return QuantizationChoice(None, "none: the int4 kernels run on the CPU only")
-    if max_num_seqs > GEMV_MAX_ROWS:
+        return QuantizationChoice(None, "none: the quantized kernels run on the CPU only")
+    vnni = w8a8.available()
+    limit = W8A8_MAX_SEQS if vnni else GEMV_MAX_ROWS
+    if max_num_seqs > limit:
         return QuantizationChoice(None, f"none: up to {max_num_seqs} sequences decode at once "
                                         f"(max_num_seqs), where bfloat16 weights are as fast "
-                                        f"and answer better; int4 is chosen for a Q4_0/Q4_1 "
-                                        f"GGUF with max_num_seqs <= {GEMV_MAX_ROWS}")
+                                        f"and answer closer to float32; auto quantizes a "
+                                        f"Q4_0/Q4_1 GGUF with max_num_seqs <= {limit}")
+    if vnni:
+        return QuantizationChoice("w8a8", f"w8a8: all {q4} linear weights are Q4_0/Q4_1 in "
+                                          f"the GGUF, the dtype is bfloat16, at most "
+                                          f"{max_num_seqs} sequences decode at once and the "
+                                          f"CPU has AVX512-VNNI: int8 weights and activations")
     return QuantizationChoice("int4", f"int4: all {q4} linear weights are Q4_0/Q4_1 in the "
                                       f"GGUF and the dtype is bfloat16, so int4 keeps the "
-                                      f"file's own integers exactly")
+                                      f"file's own integers exactly (no AVX512-VNNI for w8a8)")

@@ -9,11 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from met.config import QUANTIZATIONS
 from met.layers.attention import KVCache
 from met.layers.batch import ForwardBatch
 from met.layers.linear import Linear, LMHead
-
-QUANTIZATIONS = ("int8", "int4")
 
 
 class CausalLM(nn.Module, ABC):
@@ -26,6 +25,9 @@ class CausalLM(nn.Module, ABC):
 
     kv_layout: tuple[int, int, int]
     tie_word_embeddings: bool = False
+    # Prompt rows attend one by one through the decode kernel (ForwardBatch.row_attention):
+    # set by prepare() for w8a8.
+    row_attention: bool = False
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
@@ -37,8 +39,8 @@ class CausalLM(nn.Module, ABC):
 
     def prepare(self, quantization: str | None = None) -> None:
         """After loading: fuse projections that share an input (q/k/v, gate/up), give the
-        model its LM head, and with ``quantization`` ("int8" or "int4") make every linear
-        layer (and the head) weight-only quantized."""
+        model its LM head, and with ``quantization`` ("int8", "int4" or "w8a8") make every
+        linear layer (and the head) quantized."""
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or "
                              f"None, got {quantization!r}")
@@ -47,8 +49,9 @@ class CausalLM(nn.Module, ABC):
             if fuse is not None:
                 fuse()
         # The head decides every token and is quantized no coarser than int8.
-        head_quantization = None if quantization is None else "int8"
+        head_quantization = {None: None, "w8a8": "w8a8"}.get(quantization, "int8")
         self.lm_head = LMHead(self.lm_head.weight, head_quantization)
+        self.row_attention = quantization == "w8a8"
         if quantization is not None:
             for module in self.modules():
                 if isinstance(module, Linear):

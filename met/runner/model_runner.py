@@ -100,6 +100,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.cat(new_slots),
             seqs=tuple(spans),
+            row_attention=self.model.row_attention,
         )
         return batch, sample_rows, sample_ids
 

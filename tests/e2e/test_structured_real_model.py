@@ -82,7 +82,8 @@ INT4_NEAR_TIE = pytest.mark.xfail(
     strict=False)
 
 
-@pytest.mark.parametrize("quantization", ["int8", pytest.param("int4", marks=INT4_NEAR_TIE)])
+@pytest.mark.parametrize("quantization",
+                         ["int8", pytest.param("int4", marks=INT4_NEAR_TIE), "w8a8"])
 def test_quantized_engines_answer_like_float32(quantization):
     q = [{"role": "user", "content": "What is the capital of France?"}]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)

@@ -12,6 +12,7 @@ from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams
 from met.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
+from met.layers import w8a8
 from met.loader import model_loader
 from met.loader.gguf import Q4Blocks
 from met.loader.model_loader import load_model
@@ -100,15 +101,27 @@ def q4_checkpoint(tiny_checkpoint, monkeypatch):
     return str(tiny_checkpoint("llama"))
 
 
-def test_auto_picks_int4_for_q4_weights_in_bfloat16_and_stays_close(q4_checkpoint, bf16_cpu,
-                                                                    caplog):
-    """auto → bfloat16 + int4, said in one INFO line; float32's greedy tokens scored under it
-    move by < 0.1 nats on average (int4 of the same integers: only bf16 rounding differs)."""
+@pytest.fixture(params=["w8a8", "int4"])
+def small_server_choice(request, monkeypatch):
+    """What auto picks for a few-sequence server: w8a8 on a CPU with AVX512-VNNI, int4 on
+    one without (the second is simulated)."""
+    if request.param == "w8a8" and not w8a8.available():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    if request.param == "int4":
+        monkeypatch.setattr(w8a8, "available", lambda: False)
+    return request.param
+
+
+def test_auto_quantizes_q4_weights_for_few_sequences_and_stays_close(
+        q4_checkpoint, bf16_cpu, small_server_choice, caplog):
+    """auto → bfloat16 + w8a8 (int4 without VNNI), said in one INFO line; float32's greedy
+    tokens scored under it move by < 0.1 nats on average."""
     with caplog.at_level("INFO", logger="met.loader.model_loader"):
         auto = LLM(q4_checkpoint, max_model_len=256, max_num_seqs=4)
-    assert (auto.engine.dtype, auto.engine.quantization) == (torch.bfloat16, "int4")
+    assert (auto.engine.dtype, auto.engine.quantization) == (torch.bfloat16,
+                                                             small_server_choice)
     said = [r.getMessage() for r in caplog.records if "quantization auto" in r.getMessage()]
-    assert len(said) == 1 and "int4" in said[0] and "Q4_0/Q4_1" in said[0]
+    assert len(said) == 1 and small_server_choice in said[0] and "Q4_0/Q4_1" in said[0]
 
     ref = LLM(q4_checkpoint, dtype="float32", quantization="none", max_model_len=256)
     assert (ref.engine.dtype, ref.engine.quantization) == (torch.float32, None)
@@ -120,18 +133,20 @@ def test_auto_picks_int4_for_q4_weights_in_bfloat16_and_stays_close(q4_checkpoin
                                SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         gaps += [abs(forced.prompt_logprobs[len(prompt) + i][t] - out.logprobs[i][t])
                  for i, t in enumerate(out.token_ids)]
-    assert sum(gaps) / len(gaps) < 0.1, gaps  # (measured: 0.018 mean, 0.05 max)
+    assert sum(gaps) / len(gaps) < 0.1, gaps  # (measured int4: 0.018 mean, 0.05 max)
     assert auto.kv_stats().num_blocks_in_use == 0
 
 
 def test_auto_keeps_bfloat16_weights_for_a_many_sequence_server(q4_checkpoint, bf16_cpu,
-                                                                 caplog):
-    """Above 4 sequences at once int4 is no faster than bfloat16: auto leaves Q4 weights
-    dequantized (the default server, max_num_seqs 64), and says why."""
+                                                                 small_server_choice, caplog):
+    """Above 16 sequences at once (4 for int4) a step multiplies on the matrix units, where
+    bfloat16 weights are as fast: auto leaves Q4 weights dequantized (the default server,
+    max_num_seqs 64), and says why."""
+    many = 17 if small_server_choice == "w8a8" else 5
     with caplog.at_level("INFO", logger="met.loader.model_loader"):
-        llm = LLM(q4_checkpoint, max_model_len=64, max_num_seqs=5)
+        llm = LLM(q4_checkpoint, max_model_len=64, max_num_seqs=many)
     assert (llm.engine.dtype, llm.engine.quantization) == (torch.bfloat16, None)
-    assert any("quantization auto → none: up to 5 sequences" in r.getMessage()
+    assert any(f"quantization auto → none: up to {many} sequences" in r.getMessage()
                for r in caplog.records)
     assert LLM(q4_checkpoint, max_model_len=64).engine.quantization is None
 
