@@ -9,7 +9,7 @@
 # vLLM loads a bf16 HF directory converted from the same GGUF (done here if missing).
 #
 # Settings (environment): CONCURRENCY (1,4,16,32,64) ISL (110) OSL (128) REPS (1) WARMUP (2)
-# ENGINES ("met llama-server vllm"; also met-fp32, met-int8, met-int4, met-w8a8) MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
+# ENGINES ("met llama-server vllm"; also met-fp32, met-int8, met-int4, met-w8a8, met-w4a8) MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
 # OUT (.benchmarks/peers/<date>-<sha>) PEERS (~/.cache/met-peers) PEER_SCRIPTS (../shared/peers)
 # Smoke run: CONCURRENCY=1 REPS=1 OSL=8 WARMUP=0 bash benchmarks/compare_peers.sh
 set -euo pipefail
@@ -58,11 +58,11 @@ start() {  # engine port: starts it in the background, sets server_pid
   local engine=$1 port=$2
   log=$OUT/$engine.server.log
   case $engine in
-    met|met-fp32|met-int8|met-int4|met-w8a8)
+    met|met-fp32|met-int8|met-int4|met-w8a8|met-w4a8)
       # plain $MET_DTYPE: what auto runs for a 64-sequence server
       local dtype=$MET_DTYPE quant=(--quantization none)
       [ "$engine" = met-fp32 ] && dtype=float32
-      case $engine in met-int8|met-int4|met-w8a8) quant=(--quantization "${engine#met-}") ;; esac
+      case $engine in met-int8|met-int4|met-w8a8|met-w4a8) quant=(--quantization "${engine#met-}") ;; esac
       echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
       "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" --max-model-len 2048 \
         --max-num-seqs 64 --served-model-name peer --port "$port" >"$log" 2>&1 &
@@ -78,7 +78,7 @@ start() {  # engine port: starts it in the background, sets server_pid
       echo "+ bash $PEER_SCRIPTS/vllm-cpu.sh serve $VLLM_MODEL $port"
       bash "$PEER_SCRIPTS/vllm-cpu.sh" serve "$VLLM_MODEL" "$port" >"$log" 2>&1 &
       ;;
-    *) echo "unknown engine $engine (met, met-fp32, met-int8, met-int4, met-w8a8, llama-server, vllm)" >&2; return 1 ;;
+    *) echo "unknown engine $engine (met, met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, llama-server, vllm)" >&2; return 1 ;;
   esac
   server_pid=$!
 }

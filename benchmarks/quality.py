@@ -2,7 +2,7 @@
 
     python benchmarks/quality.py [--model PATH]
 
-For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, bfloat16 + w8a8)
+For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, + w8a8, + w4a8)
 over a fixed English text (this file's TEXT, ~300 tokens): perplexity from prompt logprobs,
 the largest and mean |Δ logprob| of the text's tokens against float32, and whether greedy
 answers to fixed chat prompts match float32's. Prints one JSON line per path.
@@ -33,7 +33,7 @@ TEXT = (
 CHATS = ["What is the capital of France?", "Name three primary colors.",
          "Write one sentence about the moon.", "What is 12 times 12?"]
 PATHS = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4"),
-         ("bfloat16", "w8a8")]
+         ("bfloat16", "w8a8"), ("bfloat16", "w4a8")]
 
 
 def main() -> None:

@@ -22,11 +22,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else "
                         "float32 (float32 is the exact reference)")
     p.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "int8", "int4", "w8a8"],
+                   choices=["auto", "none", "int8", "int4", "w8a8", "w4a8"],
                    help="quantized linear layers: int8 (per output channel) or int4 (groups "
                         "of 32; a Q4_0/Q4_1 GGUF keeps its own integers exactly) weight-only "
-                        "with bfloat16 activations, or w8a8 (int8 weights per channel and "
-                        "int8 activations per row, the fastest at few streams); auto: w8a8 "
+                        "with bfloat16 activations; w4a8 (those 4-bit blocks times int8 "
+                        "activations in blocks of 32, the fastest at few streams) or w8a8 "
+                        "(int8 weights per channel, int8 activations per row); auto: w4a8 "
                         "(int4 without AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on the "
                         "CPU with --max-num-seqs <= 16, else none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

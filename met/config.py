@@ -13,8 +13,9 @@ _DTYPES = {
 }
 
 # Quantized linear layers: int8 / int4 weight-only (bfloat16 activations), w8a8 int8 weights
-# and int8 activations (met/layers/w8a8.py).
-QUANTIZATIONS = ("int8", "int4", "w8a8")
+# and int8 activations per row (met/layers/w8a8.py), w4a8 Q4_1-form weights and int8
+# activations per 32-value block (met/layers/w4a8.py).
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 # What --quantization / EngineConfig.quantization accept; "none" (or None) turns it off and
 # "auto" lets the loader decide from the model file (met/loader/auto_quant.py).
 QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
@@ -63,10 +64,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     seed: int = 0
-    # "int8" / "int4": weight-only quantized linear layers; "w8a8": int8 weights and
-    # activations; "none" or None: off; "auto": the loader picks w8a8 (int4 without
-    # AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU serving at most 16 sequences,
-    # else none (see met/loader/auto_quant)
+    # "int8" / "int4": weight-only quantized linear layers; "w8a8" / "w4a8": int8 / 4-bit
+    # weights and int8 activations; "none" or None: off; "auto": the loader picks w4a8 (int4
+    # without AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU serving at most 16
+    # sequences, else none (see met/loader/auto_quant)
     quantization: str | None = "auto"
 
     def __post_init__(self) -> None:

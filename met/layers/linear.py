@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from met.layers import int4_gemv
+from met.layers.w4a8 import Int4Dynamic
 from met.layers.w8a8 import Int8Dynamic
 
 # Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
@@ -159,7 +160,8 @@ class Int4Weight(_WeightOnly):
                                                           self.scales_zeros)
 
 
-QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8Dynamic}
+QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8Dynamic,
+                     "w4a8": Int4Dynamic}
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ class CausalLM(nn.Module, ABC):
     kv_layout: tuple[int, int, int]
     tie_word_embeddings: bool = False
     # Prompt rows attend one by one through the decode kernel (ForwardBatch.row_attention):
-    # set by prepare() for w8a8.
+    # set by prepare() for w8a8 and w4a8.
     row_attention: bool = False
 
     @abstractmethod
@@ -49,9 +49,10 @@ class CausalLM(nn.Module, ABC):
             if fuse is not None:
                 fuse()
         # The head decides every token and is quantized no coarser than int8.
-        head_quantization = {None: None, "w8a8": "w8a8"}.get(quantization, "int8")
+        head_quantization = {None: None, "w8a8": "w8a8", "w4a8": "w8a8"}.get(quantization,
+                                                                             "int8")
         self.lm_head = LMHead(self.lm_head.weight, head_quantization)
-        self.row_attention = quantization == "w8a8"
+        self.row_attention = quantization in ("w8a8", "w4a8")
         if quantization is not None:
             for module in self.modules():
                 if isinstance(module, Linear):

@@ -80,16 +80,16 @@ def test_embedded_smollm2_bfloat16_stays_close_to_float32():
 
 def test_embedded_smollm2_auto_path_and_its_distance_from_float32():
     """dtype/quantization auto on this Q4_1 GGUF for a single-user server (max_num_seqs 1):
-    bfloat16 + w8a8 where the CPU has bfloat16 matrix units and AVX512-VNNI (int4, the file's
-    own integers, without VNNI), float32 and none without bfloat16 units; the default server
-    (64 sequences) keeps bfloat16 weights. Scored on float32's greedy continuations, the
-    chosen path stays within 0.25 nats on average and keeps every float32 token in its top 20
-    (measured: w8a8 ~0.16, int4 ~0.07 mean, docs/benchmarks.md)."""
+    bfloat16 + w4a8 (the file's own 4-bit integers, int8 activations) where the CPU has
+    bfloat16 matrix units and AVX512-VNNI (int4 weight-only without VNNI), float32 and none
+    without bfloat16 units; the default server (64 sequences) keeps bfloat16 weights. Scored
+    on float32's greedy continuations, the chosen path stays within 0.25 nats on average and
+    keeps every float32 token in its top 20 (docs/benchmarks.md)."""
     from met.config import cpu_has_native_bf16
-    from met.layers import w8a8
+    from met.layers import w4a8
 
     auto = LLM(None, max_model_len=256, max_num_seqs=1)
-    quant = "w8a8" if w8a8.available() else "int4"
+    quant = "w4a8" if w4a8.available() else "int4"
     want = ((torch.bfloat16, quant) if cpu_has_native_bf16() else (torch.float32, None))
     assert (auto.engine.dtype, auto.engine.quantization) == want
     default = LLM(None, max_model_len=256)

@@ -76,14 +76,16 @@ def test_regex_and_choice(llm):
 
 
 INT4_NEAR_TIE = pytest.mark.xfail(
-    reason="int4 (the Q4_1 integers with bfloat16 activations) starts this answer with 'L' "
-           "0.0015 nats ahead of 'The' and then rambles in French; float32, bfloat16 and int8 "
-           "answer Paris (docs/benchmarks.md, quality of the fast paths)",
+    reason="int4 and w4a8 (the Q4_1 integers, bfloat16 / int8 activations) start this answer "
+           "with 'L' (int4: 0.0015 nats ahead of 'The') and then ramble in French; float32, "
+           "bfloat16, int8 and w8a8 answer Paris (docs/benchmarks.md, quality of the fast "
+           "paths)",
     strict=False)
 
 
 @pytest.mark.parametrize("quantization",
-                         ["int8", pytest.param("int4", marks=INT4_NEAR_TIE), "w8a8"])
+                         ["int8", pytest.param("int4", marks=INT4_NEAR_TIE), "w8a8",
+                          pytest.param("w4a8", marks=INT4_NEAR_TIE)])
 def test_quantized_engines_answer_like_float32(quantization):
     q = [{"role": "user", "content": "What is the capital of France?"}]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)

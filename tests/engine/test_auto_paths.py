@@ -12,7 +12,7 @@ from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams
 from met.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
-from met.layers import w8a8
+from met.layers import w4a8
 from met.loader import model_loader
 from met.loader.gguf import Q4Blocks
 from met.loader.model_loader import load_model
@@ -101,20 +101,20 @@ def q4_checkpoint(tiny_checkpoint, monkeypatch):
     return str(tiny_checkpoint("llama"))
 
 
-@pytest.fixture(params=["w8a8", "int4"])
+@pytest.fixture(params=["w4a8", "int4"])
 def small_server_choice(request, monkeypatch):
-    """What auto picks for a few-sequence server: w8a8 on a CPU with AVX512-VNNI, int4 on
+    """What auto picks for a few-sequence server: w4a8 on a CPU with AVX512-VNNI, int4 on
     one without (the second is simulated)."""
-    if request.param == "w8a8" and not w8a8.available():
+    if request.param == "w4a8" and not w4a8.available():
         pytest.skip("this CPU has no AVX512-VNNI")
     if request.param == "int4":
-        monkeypatch.setattr(w8a8, "available", lambda: False)
+        monkeypatch.setattr(w4a8, "available", lambda: False)
     return request.param
 
 
 def test_auto_quantizes_q4_weights_for_few_sequences_and_stays_close(
         q4_checkpoint, bf16_cpu, small_server_choice, caplog):
-    """auto → bfloat16 + w8a8 (int4 without VNNI), said in one INFO line; float32's greedy
+    """auto → bfloat16 + w4a8 (int4 without VNNI), said in one INFO line; float32's greedy
     tokens scored under it move by < 0.1 nats on average."""
     with caplog.at_level("INFO", logger="met.loader.model_loader"):
         auto = LLM(q4_checkpoint, max_model_len=256, max_num_seqs=4)
@@ -142,7 +142,7 @@ def test_auto_keeps_bfloat16_weights_for_a_many_sequence_server(q4_checkpoint, b
     """Above 16 sequences at once (4 for int4) a step multiplies on the matrix units, where
     bfloat16 weights are as fast: auto leaves Q4 weights dequantized (the default server,
     max_num_seqs 64), and says why."""
-    many = 17 if small_server_choice == "w8a8" else 5
+    many = 17 if small_server_choice == "w4a8" else 5
     with caplog.at_level("INFO", logger="met.loader.model_loader"):
         llm = LLM(q4_checkpoint, max_model_len=64, max_num_seqs=many)
     assert (llm.engine.dtype, llm.engine.quantization) == (torch.bfloat16, None)

@@ -84,8 +84,8 @@ def test_preemption_keeps_output(model_dir, reference):
 
 # ---- the fast CPU paths ---------------------------------------------------------------------
 # bfloat16 (fused ops, oneDNN's packed weights, one-row kernels), int8 / int4 weight-only
-# (GEMV kernels for few rows, the bfloat16 matrix units for many) and w8a8 (exact integer sums
-# by a GEMV kernel or oneDNN's int8 matmul): a request's tokens must not
+# (GEMV kernels for few rows, the bfloat16 matrix units for many), w8a8 and w4a8 (exact
+# integer sums, prompt rows attending one at a time): a request's tokens must not
 # depend on how many rows its step had, which kernel that picked, or how its prompt was cut.
 
 
@@ -96,7 +96,7 @@ INT8_GAP = pytest.mark.xfail(
 
 
 @pytest.fixture(scope="module",
-                params=[None, pytest.param("int8", marks=INT8_GAP), "int4", "w8a8"])
+                params=[None, pytest.param("int8", marks=INT8_GAP), "int4", "w8a8", "w4a8"])
 def fast_path(request, tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
 

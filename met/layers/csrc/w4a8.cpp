@@ -1,0 +1,226 @@
+// 4-bit weights (GGUF Q4_1 layout: 32-weight blocks, w = d * q + m, q in 0..15) times 8-bit
+// activations (each row's 32-value blocks quantized with their own scale), on CPUs with
+// AVX512-VNNI: the arithmetic llama.cpp runs a Q4_1 file with (met/layers/w4a8.py).
+//
+// Row r, output n: y = sum_b (float(sum_{k in b} q_w[n,k] q_x[r,k]) * d[n,b] * s_x[r,b]
+//                             + m[n,b] * (s_x[r,b] * sum_{k in b} q_x[r,k])).
+// One kernel serves every number of rows (tiles of four rows share each unpacked weight
+// block), and each row's float operations run in the same order in any tile, so a row's
+// output is bitwise the same whatever batch it ran in.
+//
+// Layout: channels in groups of 64 (four 16-channel blocks j), K in 32-value blocks b, each
+// block in four pairs p of quads: packed[g][b][p][j][lane][4] is one byte per lane and
+// k-offset i holding q(k = 32 b + 8 p + i) in its low nibble and q(k + 4) in its high one.
+// VPDPBUSD multiplies the unsigned nibbles by the signed activation bytes. d and m are
+// float16 [g][b][j][16].
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlocks = 4;  // 16-channel blocks per group
+constexpr int64_t kGroup = kLanes * kBlocks;
+constexpr int64_t kK = 32;      // values per quantization block
+constexpr int kTileRows = 4;
+
+bool supported() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__)
+#define MET_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// One row's activations, quantized per 32-value block.
+struct QuantRow {
+  const int8_t* q;   // [K]
+  const float* s;    // [K / 32] scale max|x| / 127 of each block
+  const float* sq;   // [K / 32] s * sum of the block's q (the minimum's factor)
+};
+
+MET_VNNI_TARGET inline __m512 widen_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// Row x (bfloat16, K values, K % 32 == 0) -> q, s, sq.
+MET_VNNI_TARGET void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* s,
+                                  float* sq) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < K / kK; ++b) {
+    const __m512 v0 = widen_bf16(x + b * kK), v1 = widen_bf16(x + b * kK + 16);
+    const float absmax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
+    const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+    _mm512_mask_cvtsepi32_storeu_epi8(q + b * kK, 0xFFFF, q0);
+    _mm512_mask_cvtsepi32_storeu_epi8(q + b * kK + 16, 0xFFFF, q1);
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // exact
+    s[b] = absmax / 127.0f;
+    sq[b] = s[b] * static_cast<float>(total);
+  }
+}
+
+struct Problem {
+  const QuantRow* rows;
+  const uint8_t* w;       // packed nibbles
+  const uint16_t* d;      // float16 [groups][blocks][4][16]
+  const uint16_t* m;
+  const float* bias;      // [groups * 64] or null
+  void* out;              // [M, N] bfloat16 or float32
+  int64_t M, K, N;
+  bool out_float;
+};
+
+MET_VNNI_TARGET inline void store16(const Problem& p, int64_t r, int64_t n, __m512 y) {
+  const int64_t left = p.N - n;
+  const __mmask16 mask = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  if (p.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(p.bias + n));
+  if (p.out_float) {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.out) + r * p.N + n, mask, y);
+    return;
+  }
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + r * p.N + n, mask,
+                           _mm512_cvtepi32_epi16(rounded));
+}
+
+// Rows m0..m0+R of channel group g.
+template <int R>
+MET_VNNI_TARGET void tile(const Problem& p, int64_t g, int64_t m0) {
+  const int64_t nb = p.K / kK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][kBlocks];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kBlocks; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint8_t* w = p.w + g * nb * 4 * kBlocks * 64;
+  const uint16_t* dp = p.d + g * nb * kGroup;
+  const uint16_t* mp = p.m + g * nb * kGroup;
+  for (int64_t b = 0; b < nb; ++b, w += 4 * kBlocks * 64, dp += kGroup, mp += kGroup) {
+    __m512i isum[R][kBlocks];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kBlocks; ++j) isum[r][j] = _mm512_setzero_si512();
+    for (int pq = 0; pq < 4; ++pq) {
+      __m512i lo[kBlocks], hi[kBlocks];
+      for (int j = 0; j < kBlocks; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + (pq * kBlocks + j) * 64);
+        lo[j] = _mm512_and_si512(v, low4);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t q0, q1;
+        std::memcpy(&q0, p.rows[m0 + r].q + b * kK + 8 * pq, 4);
+        std::memcpy(&q1, p.rows[m0 + r].q + b * kK + 8 * pq + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(q0), x1 = _mm512_set1_epi32(q1);
+        for (int j = 0; j < kBlocks; ++j) {
+          isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], lo[j], x0);
+          isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], hi[j], x1);
+        }
+      }
+    }
+    for (int j = 0; j < kBlocks; ++j) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + j * kLanes)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + j * kLanes)));
+      for (int r = 0; r < R; ++r) {
+        const QuantRow& row = p.rows[m0 + r];
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(row.s[b]));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][j]), ds, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(row.sq[b]), acc[r][j]);
+      }
+    }
+  }
+  for (int j = 0; j < kBlocks; ++j) {
+    const int64_t n = g * kGroup + j * kLanes;
+    if (n >= p.N) break;
+    for (int r = 0; r < R; ++r) store16(p, m0 + r, n, acc[r][j]);
+  }
+}
+
+MET_VNNI_TARGET void group_rows(const Problem& p, int64_t g) {
+  int64_t r = 0;
+  for (; r + kTileRows <= p.M; r += kTileRows) tile<kTileRows>(p, g, r);
+  switch (p.M - r) {
+    case 1: tile<1>(p, g, r); break;
+    case 2: tile<2>(p, g, r); break;
+    case 3: tile<3>(p, g, r); break;
+    default: break;
+  }
+}
+#endif
+
+// x bfloat16 [M, K] times the packed weights (see the top of this file) -> [M, N].
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                  const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t N,
+                  bool out_float) {
+  TORCH_CHECK(supported(), "w4a8: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu() &&
+                  x.is_contiguous(),
+              "w4a8: x must be a contiguous 2-D bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kK == 0, "w4a8: K must be a multiple of 32, got ", K);
+  const int64_t groups = (N + kGroup - 1) / kGroup, nb = K / kK;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == groups * nb * 4 * kBlocks * 64,
+              "w4a8: packed weights do not match x's ", K, " features and ", N, " outputs");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf &&
+                  d.is_contiguous() && m.is_contiguous() && d.numel() == groups * nb * kGroup &&
+                  m.numel() == d.numel(),
+              "w4a8: d and m must be float16 [groups, K / 32, 64]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
+                                    bias->is_contiguous() && bias->numel() == groups * kGroup),
+              "w4a8: bias must be float32 [groups * 64]");
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+#if defined(__x86_64__)
+  std::vector<int8_t> q(M * K);
+  std::vector<float> s(M * nb), sq(M * nb);
+  std::vector<QuantRow> rows(M);
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      quantize_row(xp + r * K, K, q.data() + r * K, s.data() + r * nb, sq.data() + r * nb);
+      rows[r] = QuantRow{q.data() + r * K, s.data() + r * nb, sq.data() + r * nb};
+    }
+  });
+  const Problem p{rows.data(), packed.data_ptr<uint8_t>(),
+                  static_cast<const uint16_t*>(d.data_ptr()),
+                  static_cast<const uint16_t*>(m.data_ptr()),
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                  out.data_ptr(), M, K, N, out_float};
+  // Tasks own whole channel groups and run every row: the thread split never changes a sum.
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) group_rows(p, g);
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
+  m.def("supported() -> bool", &supported);
+  m.def("linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor? bias, int out_features, "
+        "bool out_float) -> Tensor",
+        &linear);
+}

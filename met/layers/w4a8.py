@@ -1,0 +1,142 @@
+"""4-bit weights × 8-bit activations (``--quantization w4a8``): csrc/w4a8.cpp.
+
+The arithmetic llama.cpp runs a Q4_1 GGUF with: weights in blocks of 32 along the input,
+each w = d · q + m with q in 0..15 (a Q4_0 / Q4_1 file's own integers and scales, exactly;
+float weights are fitted to that form), and each activation row quantized to int8 in blocks
+of 32 with its own scale when the layer runs. VPDPBUSD sums the products of the 4-bit and
+8-bit integers exactly per block; the block sums are scaled and added in float32 in a fixed
+order. One kernel runs every number of rows, so a row's output is bitwise the same in any
+batch. It reads half a byte per weight (plus float16 d and m per 32): decode at few rows is
+memory-bound, and this is the smallest read of met's paths. Without AVX512-VNNI (or a
+compiler) a plain-PyTorch path computes the same formula (not bitwise the kernel's).
+
+Per-row int8 activations (w8a8) cost ~0.2 nats of logprob against float32 on the embedded
+model; 32-value blocks keep that at int8 / int4 weight-only's ~0.07 (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from met.layers.native import load_native_ops, native_op
+
+_NAME = "met_w4a8_v1"
+_SOURCE = "w4a8.cpp"
+_GROUP = 64  # output channels per group of the kernel's layout
+BLOCK = 32  # weights / activations per scale
+
+
+def available() -> bool:
+    """True when this CPU has AVX512-VNNI and the kernel builds (compiles on first call)."""
+    ops = load_native_ops(_NAME, _SOURCE)
+    return ops is not None and bool(ops.supported())
+
+
+def fit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float weights [N, K] → (q uint8 0..15, d, m float16 [N, K / 32]) with w ≈ d q + m:
+    16 levels between each block's min and max (GGUF Q4_1's form)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = ((hi - lo) / 15.0).to(torch.float16)
+    m = lo.to(torch.float16)
+    df = d.float().clamp(min=1e-12)[..., None]
+    q = torch.round((w - m.float()[..., None]) / df).clamp(0, 15)
+    return q.to(torch.uint8).reshape(n, k), d, m
+
+
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout (csrc/w4a8.cpp) of q [N, K] (0..15) and d, m [N, K / 32]."""
+    n, k = q.shape
+    pad = -n % _GROUP
+    q = F.pad(q.to(torch.uint8), (0, 0, 0, pad))
+    d = F.pad(d.to(torch.float16), (0, 0, 0, pad))
+    m = F.pad(m.to(torch.float16), (0, 0, 0, pad))
+    groups, nb = q.shape[0] // _GROUP, k // BLOCK
+    # k = 32 b + 8 p + 4 h + i; lane byte i of pair p: q(h = 0) | q(h = 1) << 4
+    q7 = q.reshape(groups, 4, 16, nb, 4, 2, 4)
+    nibbles = q7[:, :, :, :, :, 0, :] | (q7[:, :, :, :, :, 1, :] << 4)
+    packed = nibbles.permute(0, 3, 4, 1, 2, 5).contiguous()  # [g, b, p, j, lane, i]
+
+    def scales(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(groups, 4, 16, nb).permute(0, 3, 1, 2).contiguous()  # [g, b, j, lane]
+
+    return packed, scales(d), scales(m)
+
+
+class Int4Dynamic(nn.Module):
+    """Q4_1-form weights [N, K] × activations quantized per 32-value block; ``forward(x)``
+    = x Wᵀ (+ bias) in bfloat16, ``float_product(x)`` in float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"quantization w4a8: input size {k} is not a multiple of {BLOCK}")
+        blocks = getattr(weight, "q4_blocks", None)
+        if blocks is not None:  # a GGUF Q4_0 / Q4_1 tensor: its own integers and scales
+            q, d, m = blocks.q, blocks.scale.to(torch.float16), blocks.minimum.to(torch.float16)
+        else:
+            q, d, m = fit_blocks(weight)
+        self.out_features, self.in_features = n, k
+        self.native = weight.device.type == "cpu" and available()
+        if self.native:
+            packed, dp, mp = pack(q, d, m)
+            self.register_buffer("packed", packed)
+            self.register_buffer("d", dp)
+            self.register_buffer("m", mp)
+            bias_f = None if bias is None else F.pad(bias.detach().float(), (0, -n % _GROUP))
+        else:  # the float weights the integers stand for
+            w = (q.float().reshape(n, -1, BLOCK) * d.float()[..., None] + m.float()[..., None])
+            self.register_buffer("weight_f32", w.reshape(n, k).contiguous())
+            bias_f = None if bias is None else bias.detach().float()
+        self.register_buffer("bias", None if bias_f is None else bias_f.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
+        x2 = x if plain else x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        y = self._product(x2, out_float=False)
+        return y if plain else y.reshape(*x.shape[:-1], self.out_features)
+
+    def float_product(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        return self._product(x2, out_float=True)
+
+    def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
+        if self.native:
+            return native_op(_NAME, _SOURCE, "linear")(x, self.packed, self.d, self.m,
+                                                       self.bias, self.out_features, out_float)
+        return self._torch_product(x, out_float)
+
+    def _torch_product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
+        """The same formula in plain PyTorch: activations quantized per block, multiplied
+        by the float weights (rounding differs from the kernel's integer sums)."""
+        rows, k = x.shape
+        xb = x.float().reshape(rows, k // BLOCK, BLOCK)
+        absmax = xb.abs().amax(dim=-1, keepdim=True)
+        c127 = torch.full_like(absmax, 127.0)
+        inv = torch.where(absmax > 0, c127 / absmax, torch.zeros_like(absmax))
+        xq = torch.round(xb * inv).clamp(-127, 127) * (absmax / c127)
+        weight = self.weight_f32 if not self.native else self.dequantized()
+        y = xq.reshape(rows, k) @ weight.t()
+        if self.bias is not None:
+            y = y + self.bias[: self.out_features]
+        return y if out_float else y.to(torch.bfloat16)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights [N, K] the integers stand for."""
+        if not self.native:
+            return self.weight_f32
+        g, nb = self.packed.shape[0], self.packed.shape[1]
+        nib = self.packed.permute(0, 3, 4, 1, 2, 5)  # [g, j, lane, b, p, i]
+        q = torch.stack([nib & 15, nib >> 4], dim=-2)  # [g, j, lane, b, p, h, i]
+        q = q.reshape(g * _GROUP, nb, BLOCK).float()
+        d = self.d.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
+        m = self.m.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
+        return (q * d + m).reshape(g * _GROUP, -1)[: self.out_features]
+
+    def pack(self) -> None:
+        """Nothing to re-lay out (the layout is built at construction)."""

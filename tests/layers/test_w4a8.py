@@ -1,0 +1,102 @@
+"""w4a8 linear layers (Q4_1-form weights, int8 activations per 32-value block): one kernel for
+every row count, so a row's output is bitwise the same alone or in any batch; GGUF integers are
+kept exactly; the result is the block formula (checked against plain PyTorch) and close to the
+float product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from met.layers import w4a8
+from met.layers.linear import Linear
+from met.layers.w4a8 import Int4Dynamic
+from met.loader.gguf import Q4Blocks
+
+NATIVE = pytest.mark.skipif(not w4a8.available(), reason="needs AVX512-VNNI and a compiler")
+SHAPES = [(960, 576), (576, 1536), (37, 96), (1000, 64)]  # (out, in); off the 64-channel tiles
+
+
+def _weights(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+
+
+def _x(rows, k, seed=1):
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 3
+    x[2] = 0
+    x[min(5, rows - 1), :32] = 0  # an all-zero block
+    return x.bfloat16()
+
+
+@NATIVE
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_row_gives_the_same_bits_in_any_batch(n, k):
+    w, b = _weights(n, k)
+    layer = Int4Dynamic(w, b)
+    x = _x(40, k)
+    every = layer(x)
+    for rows in (1, 2, 3, 4, 5, 7, 16):  # every remainder of the 4-row tiles
+        for start in (0, 2, 21):
+            assert torch.equal(layer(x[start:start + rows]), every[start:start + rows]), rows
+    logits = layer.float_product(x)
+    assert logits.dtype == torch.float32 and torch.equal(every, logits.bfloat16())
+    assert torch.equal(logits[2], b)  # zero row: only the bias
+
+
+@NATIVE
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_kernel_computes_the_block_formula(n, k):
+    """Against plain PyTorch's float evaluation of the same quantized operands (float32 sums
+    in another order: ~1e-6 relative), and within 8-bit activation error of the float
+    product over the same 4-bit weights."""
+    w, b = _weights(n, k)
+    layer = Int4Dynamic(w, b)
+    x = _x(24, k)
+    got = layer.float_product(x)
+    formula = layer._torch_product(x, out_float=True)
+    assert torch.allclose(got, formula, rtol=1e-5, atol=1e-5 * formula.abs().max())
+    exact = x.float() @ layer.dequantized().T + b
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_gguf_q4_integers_are_kept_exactly():
+    g = torch.Generator().manual_seed(3)
+    n, k = 70, 64
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    minimum = (-torch.rand(n, k // 32, generator=g) * 0.05).half().float()
+    weight = (q.float().reshape(n, -1, 32) * scale[..., None] + minimum[..., None]).reshape(n, k)
+    weight.q4_blocks = Q4Blocks(q, scale, minimum)
+    layer = Int4Dynamic(weight, None)
+    assert torch.equal(layer.dequantized(), weight)
+
+
+def test_fitting_float_weights_to_blocks_is_within_half_a_step():
+    w, _ = _weights(48, 96)
+    q, d, m = w4a8.fit_blocks(w)
+    assert q.max() <= 15 and d.dtype == m.dtype == torch.float16
+    deq = q.float().reshape(48, 3, 32) * d.float()[..., None] + m.float()[..., None]
+    step = d.float()[..., None]
+    # m is the block minimum rounded to float16, so allow its rounding on top of half a step
+    assert ((deq - w.reshape(48, 3, 32)).abs() <= step / 2 + m.float().abs()[..., None] * 1e-3
+            + 1e-6).all()
+
+
+def test_linear_quantizes_to_w4a8():
+    w, b = _weights(64, 32)
+    lin = Linear(32, 64, True, torch.float32)
+    lin.weight.data, lin.bias.data = w.clone(), b.clone()
+    lin.quantize("w4a8")
+    lin.pack()
+    assert isinstance(lin.quantized, Int4Dynamic) and lin.weight is None
+    x = _x(5, 32)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 64)
+    exact = x.float() @ w.T + b
+    assert (y.float() - exact).abs().max() < 0.1 * exact.abs().max()  # 16 levels per block
+
+
+def test_input_size_must_be_a_multiple_of_32():
+    with pytest.raises(ValueError, match="w4a8: input size 40"):
+        Int4Dynamic(torch.zeros(8, 40), None)
