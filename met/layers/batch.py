@@ -51,8 +51,8 @@ class ForwardBatch:
     seqs: tuple[SeqSpan, ...]
     # Every query row, prompt rows too, attends alone through the one-row (decode) kernel:
     # its result is then bitwise the same however its prompt was chunked or batched
-    # (CausalLM.row_attention; on for w8a8, whose int8 rounding of activations would turn
-    # the prefill kernel's chunk-dependent last bits into different tokens).
+    # (CausalLM.row_attention; on for w8a8 and w4a8, whose int8 rounding of activations would
+    # turn the prefill kernel's chunk-dependent last bits into different tokens).
     row_attention: bool = False
     # Per-step values the layers share (attention plans per window, rotary cos/sin at these
     # positions), by key: computed by the first layer that needs them.

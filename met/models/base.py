@@ -39,7 +39,7 @@ class CausalLM(nn.Module, ABC):
 
     def prepare(self, quantization: str | None = None) -> None:
         """After loading: fuse projections that share an input (q/k/v, gate/up), give the
-        model its LM head, and with ``quantization`` ("int8", "int4" or "w8a8") make every
+        model its LM head, and with ``quantization`` ("int8", "int4", "w8a8" or "w4a8") make every
         linear layer (and the head) quantized."""
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or "
