@@ -105,7 +105,8 @@ class ModelInfo:
     limits: ModelLimits
     root: str
     dtype: str
-    quantization: str  # "int8", "int4", "w8a8" or "none" (what --quantization auto chose, if auto)
+    # "int8", "int4", "w8a8", "w4a8" or "none" (what --quantization auto chose, if auto)
+    quantization: str
 
 
 class ServerContext:

@@ -81,8 +81,7 @@ def _build_plan(seqs: tuple[SeqSpan, ...], window: int | None,
             slots, lengths = _row_slots(span, window)
             rows.extend(range(span.q_start, span.q_start + span.q_len))
             slot_parts.append(slots)
-            for n in lengths.tolist():
-                offsets.append(offsets[-1] + n)
+            offsets.extend((offsets[-1] + torch.cumsum(lengths, 0)).tolist())
             continue
         slots, mask = _span_plan(span, window)
         if span.q_len == 1 and mask is None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from met.layers import int4_gemv
+from met.layers.int_activations import IntActivationLinear
 from met.layers.w4a8 import Int4Dynamic
 from met.layers.w8a8 import Int8Dynamic
 
@@ -270,7 +271,7 @@ class LMHead(nn.Module):
         self.onednn_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.quantized, (Int8Weight, Int8Dynamic)):
+        if isinstance(self.quantized, (Int8Weight, IntActivationLinear)):
             return self.quantized.float_product(hidden)
         if self.quantized is not None:
             return self.quantized(hidden).float()

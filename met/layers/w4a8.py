@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from met.layers.int_activations import IntActivationLinear
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_w4a8_v1"
+_NAME = "met_w4a8_v3"
 _SOURCE = "w4a8.cpp"
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
@@ -67,9 +67,8 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     return packed, scales(d), scales(m)
 
 
-class Int4Dynamic(nn.Module):
-    """Q4_1-form weights [N, K] × activations quantized per 32-value block; ``forward(x)``
-    = x Wᵀ (+ bias) in bfloat16, ``float_product(x)`` in float32."""
+class Int4Dynamic(IntActivationLinear):
+    """Q4_1-form weights [N, K] × activations quantized per 32-value block."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -94,16 +93,6 @@ class Int4Dynamic(nn.Module):
             self.register_buffer("weight_f32", w.reshape(n, k).contiguous())
             bias_f = None if bias is None else bias.detach().float()
         self.register_buffer("bias", None if bias_f is None else bias_f.contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
-        x2 = x if plain else x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        y = self._product(x2, out_float=False)
-        return y if plain else y.reshape(*x.shape[:-1], self.out_features)
-
-    def float_product(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        return self._product(x2, out_float=True)
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if self.native:
@@ -137,6 +126,3 @@ class Int4Dynamic(nn.Module):
         d = self.d.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
         m = self.m.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
         return (q * d + m).reshape(g * _GROUP, -1)[: self.out_features]
-
-    def pack(self) -> None:
-        """Nothing to re-lay out (the layout is built at construction)."""

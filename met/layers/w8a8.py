@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from met.layers.int_activations import IntActivationLinear
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_w8a8_v4"
+_NAME = "met_w8a8_v5"
 _SOURCE = "w8a8.cpp"
 _GROUP = 64  # output channels per group of the GEMV layout
 # Rows up to which the GEMV kernel is at least as fast as quantize + oneDNN + scale_out:
@@ -73,10 +73,8 @@ def _pad(v: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if v is None else F.pad(v.float(), (0, -v.shape[0] % n)).contiguous()
 
 
-class Int8Dynamic(nn.Module):
-    """int8 [N, K] weights with per-channel scales, int8 activations with per-row scales;
-    ``forward(x)`` = x Wᵀ (+ bias) in bfloat16, ``float_product(x)`` the same in float32
-    (the LM head's logits)."""
+class Int8Dynamic(IntActivationLinear):
+    """int8 [N, K] weights with per-channel scales, int8 activations with per-row scales."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -86,13 +84,11 @@ class Int8Dynamic(nn.Module):
         self.native = weight.device.type == "cpu" and available()
         self.gemv_max_rows = (GEMV_MAX_ROWS if q.numel() <= LARGE_WEIGHT
                               else GEMV_MAX_ROWS_LARGE)
-        n_pad = self.out_features + (-self.out_features % _GROUP)
         self.register_buffer("scale", _pad(scale, _GROUP) if self.native else scale)
         self.register_buffer("bias", None if bias is None else
                              (_pad(bias, _GROUP) if self.native else bias.detach().float()))
         if self.native:
             packed, wsum = pack(q)
-            assert wsum.shape[0] == n_pad
             self.register_buffer("packed", packed)
             self.register_buffer("wsum128", wsum)
         self.onednn = _onednn_pack(q) if self.native else None
@@ -100,17 +96,6 @@ class Int8Dynamic(nn.Module):
             self.register_buffer("ones", torch.ones(self.out_features))
             self.register_buffer("zero_points", torch.zeros(self.out_features,
                                                             dtype=torch.int64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
-        x2 = x if plain else x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        y = self._product(x2, out_float=False)
-        return y if plain else y.reshape(*x.shape[:-1], self.out_features)
-
-    def float_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x Wᵀ in float32 [M, N]."""
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        return self._product(x2, out_float=True)
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if not self.native:
@@ -142,10 +127,6 @@ class Int8Dynamic(nn.Module):
         if self.bias is not None:
             y = y + self.bias[:n]
         return y if out_float else y.to(torch.bfloat16)
-
-    def pack(self) -> None:
-        """Nothing to re-lay out: the GEMV layout is built at construction and torch._int_mm
-        takes the plain weight (called by `Linear.pack` like the other quantized layers)."""
 
     def dequantized(self) -> torch.Tensor:
         """The weights these integers stand for, float32 [N, K]."""

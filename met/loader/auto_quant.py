@@ -71,4 +71,4 @@ def choose_quantization(net: nn.Module, dtype: torch.dtype, device: torch.device
                                           f"times int8 activations")
     return QuantizationChoice("int4", f"int4: all {q4} linear weights are Q4_0/Q4_1 in the "
                                       f"GGUF and the dtype is bfloat16, so int4 keeps the "
-                                      f"file's own integers exactly (no AVX512-VNNI for w8a8)")
+                                      f"file's own integers exactly (no AVX512-VNNI for w4a8)")

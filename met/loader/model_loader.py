@@ -35,7 +35,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, max_num_seqs: int = 64) -> LoadedModel:
     """Resolve, read config/tokenizer, build the model class and load weights into it.
 
-    quantization is "int8", "int4", "w8a8", None, or "auto" (decided here from the loaded
+    quantization is "int8", "int4", "w8a8", "w4a8", None, or "auto" (decided here from the loaded
     weights and ``max_num_seqs``, the most sequences the engine will decode at once).
     """
     source = resolve_model(model, cache_dir)

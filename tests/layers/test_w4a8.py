@@ -13,7 +13,6 @@ from met.layers.linear import Linear
 from met.layers.w4a8 import Int4Dynamic
 from met.loader.gguf import Q4Blocks
 
-NATIVE = pytest.mark.skipif(not w4a8.available(), reason="needs AVX512-VNNI and a compiler")
 SHAPES = [(960, 576), (576, 1536), (37, 96), (1000, 64)]  # (out, in); off the 64-channel tiles
 
 
@@ -29,7 +28,6 @@ def _x(rows, k, seed=1):
     return x.bfloat16()
 
 
-@NATIVE
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_a_row_gives_the_same_bits_in_any_batch(n, k):
     w, b = _weights(n, k)
@@ -44,7 +42,6 @@ def test_a_row_gives_the_same_bits_in_any_batch(n, k):
     assert torch.equal(logits[2], b)  # zero row: only the bias
 
 
-@NATIVE
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_kernel_computes_the_block_formula(n, k):
     """Against plain PyTorch's float evaluation of the same quantized operands (float32 sums

@@ -12,7 +12,6 @@ from met.layers import w8a8
 from met.layers.linear import Linear, LMHead
 from met.layers.w8a8 import Int8Dynamic
 
-NATIVE = pytest.mark.skipif(not w8a8.available(), reason="needs AVX512-VNNI and a compiler")
 # (out_features, in_features): the embedded model's shapes, sizes off the kernels' tiles.
 SHAPES = [(960, 576), (576, 1536), (37, 100), (1000, 64), (70, 6)]
 
@@ -28,7 +27,6 @@ def _x(rows, k, seed=1):
     return x.bfloat16()
 
 
-@NATIVE
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_kernel_gives_the_same_bits_for_a_row(n, k, bias):

@@ -26,6 +26,8 @@
 #include <optional>
 #include <vector>
 
+#include "met_vnni.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -34,18 +36,9 @@ constexpr int64_t kGroup = kLanes * kBlocks;
 constexpr int64_t kK = 32;      // values per quantization block
 constexpr int kTileRows = 4;
 
-bool supported() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq");
-#else
-  return false;
-#endif
-}
+bool supported() { return vnni_supported(); }
 
 #if defined(__x86_64__)
-#define MET_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 // One row's activations, quantized per 32-value block.
 struct QuantRow {
@@ -53,11 +46,6 @@ struct QuantRow {
   const float* s;    // [K / 32] scale max|x| / 127 of each block
   const float* sq;   // [K / 32] s * sum of the block's q (the minimum's factor)
 };
-
-MET_VNNI_TARGET inline __m512 widen_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
 
 // Row x (bfloat16, K values, K % 32 == 0) -> q, s, sq.
 MET_VNNI_TARGET void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* s,
@@ -91,19 +79,9 @@ struct Problem {
 };
 
 MET_VNNI_TARGET inline void store16(const Problem& p, int64_t r, int64_t n, __m512 y) {
-  const int64_t left = p.N - n;
-  const __mmask16 mask = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
   if (p.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(p.bias + n));
-  if (p.out_float) {
-    _mm512_mask_storeu_ps(static_cast<float*>(p.out) + r * p.N + n, mask, y);
-    return;
-  }
-  const __m512i u = _mm512_castps_si512(y);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + r * p.N + n, mask,
-                           _mm512_cvtepi32_epi16(rounded));
+  char* out = static_cast<char*>(p.out) + (r * p.N + n) * (p.out_float ? 4 : 2);
+  store_out(out, y, p.out_float, tail_mask(p.N - n));
 }
 
 // Rows m0..m0+R of channel group g.

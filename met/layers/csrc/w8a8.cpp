@@ -25,6 +25,8 @@
 #include <optional>
 #include <tuple>
 
+#include "met_vnni.h"
+
 // No fused multiply-adds where the source says multiply then add: the scaling must round
 // exactly as the plain-PyTorch fallback (w8a8.py) does.
 #pragma GCC optimize("fp-contract=off")
@@ -37,27 +39,9 @@ constexpr int64_t kGroup = kLanes * kBlocks;
 constexpr int64_t kMaxGemvRows = 16;
 constexpr int kTileRows = 4;  // rows per register tile
 
-bool supported() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq");
-#else
-  return false;
-#endif
-}
+bool supported() { return vnni_supported(); }
 
 #if defined(__x86_64__)
-#define MET_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
-MET_VNNI_TARGET inline __m512 widen_bf16(const uint16_t* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
-MET_VNNI_TARGET inline __mmask16 tail_mask(int64_t left) {
-  return left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
 
 // Row x (bfloat16, K values) -> int8 q = round(x * 127 / max|x|), as signed bytes (q_out) or
 // as unsigned bytes q + 128 (u_out); returns the row's scale max|x| / 127. The one definition
@@ -87,7 +71,7 @@ MET_VNNI_TARGET inline float quantize_row(const uint16_t* x, int64_t K, int8_t* 
 }
 
 // Sixteen outputs from their exact integer sums: float(acc) * (sx * sw) (+ bias), stored as
-// float32 or rounded to bfloat16 (nearest even, as c10::BFloat16 does for finite values).
+// float32 or bfloat16 (store_out).
 // acc_float: the lanes already hold float(acc).
 MET_VNNI_TARGET inline void finish16(__m512i acc, bool acc_float, float sx, const float* sw,
                                      const float* bias, void* out, bool out_float,
@@ -96,15 +80,7 @@ MET_VNNI_TARGET inline void finish16(__m512i acc, bool acc_float, float sx, cons
   const __m512 sum = acc_float ? _mm512_castsi512_ps(acc) : _mm512_cvtepi32_ps(acc);
   __m512 y = _mm512_mul_ps(sum, scale);
   if (bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, bias));
-  if (out_float) {
-    _mm512_mask_storeu_ps(out, mask, y);
-    return;
-  }
-  const __m512i u = _mm512_castps_si512(y);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(rounded));
+  store_out(out, y, out_float, mask);
 }
 
 // One row of scale_out; acc is int32, or float32 holding float(the int32 sum) (oneDNN's

@@ -1,0 +1,36 @@
+"""What the layers with int8 activations (w8a8, w4a8) share: the shape handling around a
+kernel that takes contiguous 2-D bfloat16 rows and returns bfloat16 or float32."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class IntActivationLinear(nn.Module, ABC):
+    """``forward(x)`` = x Wᵀ (+ bias) in bfloat16, ``float_product(x)`` the same in float32
+    (the LM head's logits); subclasses set ``out_features`` and implement ``_product``."""
+
+    out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The decode step's 2-D contiguous bfloat16 rows need no reshape or cast.
+        plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
+        x2 = x if plain else x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        y = self._product(x2, out_float=False)
+        return y if plain else y.reshape(*x.shape[:-1], self.out_features)
+
+    def float_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ in float32 [M, N]."""
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        return self._product(x2, out_float=True)
+
+    @abstractmethod
+    def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
+        """x [M, K] contiguous bfloat16 times the weights (+ bias)."""
+
+    def pack(self) -> None:
+        """Nothing to re-lay out: the kernels' layouts are built at construction (called by
+        `Linear.pack` like the other quantized layers)."""
