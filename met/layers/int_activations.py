@@ -4,6 +4,7 @@ kernel that takes contiguous 2-D bfloat16 rows and returns bfloat16 or float32."
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,6 +27,11 @@ class IntActivationLinear(nn.Module, ABC):
         """x Wᵀ in float32 [M, N]."""
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         return self._product(x2, out_float=True)
+
+    def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` for 2-D contiguous bfloat16 rows, as a function (`Linear.bf16_rows`);
+        subclasses bind their kernel call to skip the module lookups."""
+        return lambda x: self._product(x, out_float=False)
 
     @abstractmethod
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:

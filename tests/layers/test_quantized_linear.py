@@ -113,3 +113,26 @@ def test_linear_quantize_swaps_its_weights():
     out = lin(_x(3))
     assert out.dtype == torch.float32  # the caller's activation dtype comes back
     assert torch.allclose(out, ref, atol=0.05 * ref.abs().max())
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "int4", "w8a8", "w4a8"])
+def test_bound_bf16_rows_path_is_the_modules_own_product(kind):
+    """After pack(), 2-D contiguous bfloat16 rows (a decode step's) go through a kernel call
+    bound once (`Linear.bf16_rows`): the same bits as the module path, for every row count;
+    other inputs and a moved module take the module path."""
+    lin = _linear(n=96, k=128, bias=True)
+    lin.weight.data, lin.bias.data = lin.weight.data.bfloat16(), lin.bias.data.bfloat16()
+    if kind is not None:
+        lin.quantize(kind)
+    lin.pack()
+    assert lin.bf16_rows is not None
+    for rows in (1, 3, 40):
+        x = _x(rows).bfloat16()
+        fast = lin(x)
+        bound, lin.bf16_rows = lin.bf16_rows, None
+        assert torch.equal(fast, lin(x)), (kind, rows)
+        lin.bf16_rows = bound
+    x3 = _x(6).bfloat16().reshape(2, 3, 128)  # 3-D: the module path, same rows
+    assert torch.equal(lin(x3).reshape(6, -1), lin(x3.reshape(6, 128)))
+    lin.to("cpu")  # .to() may replace the bound tensors: the binding is dropped
+    assert lin.bf16_rows is None and torch.equal(lin(_x(3).bfloat16()), fast[:3])

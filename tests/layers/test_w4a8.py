@@ -97,3 +97,23 @@ def test_linear_quantizes_to_w4a8():
 def test_input_size_must_be_a_multiple_of_32():
     with pytest.raises(ValueError, match="w4a8: input size 40"):
         Int4Dynamic(torch.zeros(8, 40), None)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_amx_tiles_give_the_vnni_bits(n, k):
+    """From AMX_MIN_ROWS rows on the block sums come from AMX tiles (16 rows at a time, zero
+    rows padding the last): the same bits as the VNNI kernel on every row count around the
+    tile edges (both paths run the VNNI kernel where the CPU has no AMX)."""
+    w, b = _weights(n, k)
+    layer = Int4Dynamic(w, b)
+    x = _x(49, k)
+    if not w4a8.available():  # no VNNI: the plain-PyTorch path is the only one
+        assert not layer.native and torch.equal(layer(x), layer._torch_product(x, False))
+        return
+    for rows in (1, 15, 16, 17, 32, 33, 49):
+        for out_float in (False, True):
+            vnni = layer.kernel(x[:rows], out_float, amx_min_rows=10**9)
+            amx = layer.kernel(x[:rows], out_float, amx_min_rows=1)
+            assert torch.equal(vnni, amx), (rows, out_float)
+    assert w4a8.AMX_MIN_ROWS <= 49  # the layer's own choice reaches the tiles at 49 rows
+    assert torch.equal(layer(x), layer.kernel(x, False, amx_min_rows=10**9))

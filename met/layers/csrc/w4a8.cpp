@@ -13,12 +13,22 @@
 // k-offset i holding q(k = 32 b + 8 p + i) in its low nibble and q(k + 4) in its high one.
 // VPDPBUSD multiplies the unsigned nibbles by the signed activation bytes. d and m are
 // float16 [g][b][j][16].
+//
+// With 16 or more rows (amx_min_rows, chosen by the caller) and AMX-INT8, TDPBSUD computes the
+// same integer block sums sixteen rows × sixteen channels at a time (exact, so equal to
+// VPDPBUSD's), and the float steps after them are the same operations in the same order:
+// the two paths give the same bits, and a row's output still does not depend on its batch.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -37,6 +47,23 @@ constexpr int64_t kK = 32;      // values per quantization block
 constexpr int kTileRows = 4;
 
 bool supported() { return vnni_supported(); }
+
+// AMX-INT8 present and Linux lets this process use the tile registers (the permission is
+// asked for once; oneDNN asks for the same one when it runs AMX).
+bool amx_supported() {
+#if defined(__x86_64__)
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!vnni_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), int8 = d & (1u << 25);
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return tile && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 #if defined(__x86_64__)
 
@@ -145,12 +172,111 @@ MET_VNNI_TARGET void group_rows(const Problem& p, int64_t g) {
     default: break;
   }
 }
+
+// ---- AMX: sixteen rows at a time -------------------------------------------------------
+#define MET_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
+
+constexpr int kAmxRows = 16;
+
+// Tiles 0 and 1: int32 block sums C [16 rows × 16 channels] of alternate blocks; tiles 2 and
+// 4: A, 16 rows × one 32-value block of activations; tiles 3 and 5: B, the block's 16
+// channels as 8 rows of 4-value quads.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 32, 64, 32, 64};
+  uint8_t rows[16] = {16, 16, 16, 8, 16, 8};
+};
+
+// Group g's weights as B tiles: unpacked[(b * 4 + j) * 8 + kk] = the 64 bytes (16 channels ×
+// 4 values, low nibbles of pair kk / 2 for even kk, high ones for odd) of block b, channels j.
+MET_AMX_TARGET void unpack_group(const Problem& p, int64_t g, __m512i* unpacked) {
+  const int64_t nb = p.K / kK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* w = p.w + g * nb * 4 * kBlocks * 64;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int pq = 0; pq < 4; ++pq)
+      for (int j = 0; j < kBlocks; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + ((b * 4 + pq) * kBlocks + j) * 64);
+        __m512i* dst = unpacked + (b * kBlocks + j) * 8 + 2 * pq;
+        dst[0] = _mm512_and_si512(v, low4);
+        dst[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+}
+
+// Block b's sums of rows m0..m0+16 (q padded with zero rows past M), channels j, into tile
+// `C` and then `sums`: issued a block ahead of the float steps that read them, so the tile
+// unit's latency hides behind the vector work.
+#define MET_AMX_BLOCK_SUMS(C, A, B, b, sums)                               \
+  do {                                                                    \
+    _tile_loadd(A, q + m0 * p.K + (b) * kK, p.K);                         \
+    _tile_loadd(B, unpacked + ((b) * kBlocks + j) * 8, 64);               \
+    _tile_zero(C);                                                        \
+    _tile_dpbsud(C, A, B);                                                \
+    _tile_stored(C, sums, 64);                                            \
+  } while (0)
+
+// Rows m0..m0+16 of channels j of group g: the float steps of tile() above, in its order, on
+// TDPBSUD's block sums.
+MET_AMX_TARGET void amx_tile(const Problem& p, const int8_t* q, int64_t g, int j, int64_t m0,
+                             const __m512i* unpacked) {
+  const int64_t nb = p.K / kK;
+  const uint16_t* dp = p.d + g * nb * kGroup + j * kLanes;
+  const uint16_t* mp = p.m + g * nb * kGroup + j * kLanes;
+  const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.M - m0));
+  alignas(64) int32_t sums[2][kAmxRows * kLanes];
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  MET_AMX_BLOCK_SUMS(0, 2, 3, 0, sums[0]);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b + 1 < nb) {
+      if (b % 2 == 0) {
+        MET_AMX_BLOCK_SUMS(1, 4, 5, b + 1, sums[1]);
+      } else {
+        MET_AMX_BLOCK_SUMS(0, 2, 3, b + 1, sums[0]);
+      }
+    }
+    const int32_t* block_sums = sums[b % 2];
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + b * kGroup)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + b * kGroup)));
+#pragma GCC unroll 16
+    for (int r = 0; r < kAmxRows; ++r) {
+      if (r >= valid) break;
+      const QuantRow& row = p.rows[m0 + r];
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(row.s[b]));
+      const __m512i isum = _mm512_load_si512(block_sums + r * kLanes);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(row.sq[b]), acc[r]);
+    }
+  }
+  const int64_t n = g * kGroup + j * kLanes;
+  for (int r = 0; r < valid; ++r) store16(p, m0 + r, n, acc[r]);
+}
+#undef MET_AMX_BLOCK_SUMS
+
+// Every row of groups g0..g1 (this thread's) through the tiles.
+MET_AMX_TARGET void amx_groups(const Problem& p, const int8_t* q, int64_t g0, int64_t g1) {
+  const TileConfig config;
+  _tile_loadconfig(&config);
+  // std::vector<__m512i> would not promise 64-byte alignment here: align by hand.
+  std::vector<uint8_t> storage(p.K / kK * kBlocks * 8 * 64 + 64);
+  auto* unpacked = reinterpret_cast<__m512i*>(
+      (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
+  for (int64_t g = g0; g < g1; ++g) {
+    unpack_group(p, g, unpacked);
+    for (int64_t m0 = 0; m0 < p.M; m0 += kAmxRows)
+      for (int j = 0; j < kBlocks && g * kGroup + j * kLanes < p.N; ++j)
+        amx_tile(p, q, g, j, m0, unpacked);
+  }
+  _tile_release();
+}
 #endif
 
 // x bfloat16 [M, K] times the packed weights (see the top of this file) -> [M, N].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                   const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t N,
-                  bool out_float) {
+                  bool out_float, int64_t amx_min_rows) {
   TORCH_CHECK(supported(), "w4a8: this CPU has no AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu() &&
                   x.is_contiguous(),
@@ -171,7 +297,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
 #if defined(__x86_64__)
-  std::vector<int8_t> q(M * K);
+  const bool amx = M >= amx_min_rows && amx_supported();
+  // The AMX tiles read 16 rows at a time: zero rows pad q to a multiple of 16.
+  std::vector<int8_t> q((amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M) * K, 0);
   std::vector<float> s(M * nb), sq(M * nb);
   std::vector<QuantRow> rows(M);
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
@@ -188,7 +316,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
                   out.data_ptr(), M, K, N, out_float};
   // Tasks own whole channel groups and run every row: the thread split never changes a sum.
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) group_rows(p, g);
+    if (amx) {
+      amx_groups(p, q.data(), g0, g1);
+    } else {
+      for (int64_t g = g0; g < g1; ++g) group_rows(p, g);
+    }
   });
 #endif
   return out;
@@ -198,7 +330,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 
 TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
   m.def("supported() -> bool", &supported);
+  m.def("amx_supported() -> bool", &amx_supported);
   m.def("linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor? bias, int out_features, "
-        "bool out_float) -> Tensor",
+        "bool out_float, int amx_min_rows) -> Tensor",
         &linear);
 }
