@@ -7,6 +7,8 @@ They share one decoder; config flags switch on qkv bias (Qwen2), per-head q/k RM
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,15 +102,6 @@ class Attention(nn.Module):
         return (hasattr(self, "qkv_proj") and self.q_norm is None
                 and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0)
 
-    def forward_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
-                      ) -> torch.Tensor:
-        """`forward` with rope and the cache writes in one native call (bfloat16 on CPU)."""
-        k_cache, v_cache = kv_cache
-        q = fused_ops.rope_qkv_to_cache(self.qkv_proj(x), batch.positions, self.rotary.cos,
-                                        self.rotary.sin, k_cache, v_cache, batch.slot_mapping,
-                                        self.num_heads, self.num_kv_heads)
-        o = attend_cached(q, kv_cache, batch, self.scale, self.sliding_window)
-        return self.o_proj(o.view(x.shape[0], -1))
 
 
 def qkv_bias_only(config: Any) -> bool:
@@ -132,10 +125,6 @@ class MLP(nn.Module):
     def supports_fused(self) -> bool:
         """Whether `forward_fused` applies: fused gate|up with SiLU."""
         return hasattr(self, "gate_up_proj") and self.act is F.silu
-
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` with SiLU(gate) · up in one native call (bfloat16 on CPU)."""
-        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
@@ -163,17 +152,38 @@ class DecoderLayer(nn.Module):
         return (isinstance(self.mlp, MLP) and self.mlp.supports_fused()
                 and self.self_attn.supports_fused())
 
-    def forward_fused(self, x: torch.Tensor, normed: torch.Tensor, batch: ForwardBatch,
-                      kv_cache: KVCache, next_norm: RMSNorm
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer on (residual x, its input norm): returns the new residual and its
-        ``next_norm`` (the next layer's input norm, or the final norm), each residual add
-        done inside a fused RMSNorm."""
-        attn = self.self_attn.forward_fused(normed, batch, kv_cache)
-        post = self.post_attention_layernorm
-        x, normed = fused_ops.add_rms_norm(x, attn, post.weight, post.eps)
-        return fused_ops.add_rms_norm(x, self.mlp.forward_fused(normed), next_norm.weight,
-                                      next_norm.eps)
+    def fused_plan(self, next_norm: RMSNorm) -> FusedLayer:
+        """This layer for `LlamaForCausalLM._forward_fused`, followed by ``next_norm`` (the
+        next layer's input norm, or the final norm)."""
+        attn, post = self.self_attn, self.post_attention_layernorm
+        return FusedLayer(
+            qkv_proj=attn.qkv_proj.forward, o_proj=attn.o_proj.forward,
+            gate_up_proj=self.mlp.gate_up_proj.forward, down_proj=self.mlp.down_proj.forward,
+            cos=attn.rotary.cos, sin=attn.rotary.sin, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, scale=attn.scale, window=attn.sliding_window,
+            post_norm=post.weight, post_eps=post.eps, next_norm=next_norm.weight,
+            next_eps=next_norm.eps)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLayer:
+    """A decoder layer's modules and tensors, looked up once for the fused bfloat16 CPU path
+    (a decode step runs ~30 layers × ~10 lookups, each a few hundred ns through nn.Module)."""
+
+    qkv_proj: Callable[[torch.Tensor], torch.Tensor]  # the Linear modules' forward
+    o_proj: Callable[[torch.Tensor], torch.Tensor]
+    gate_up_proj: Callable[[torch.Tensor], torch.Tensor]
+    down_proj: Callable[[torch.Tensor], torch.Tensor]
+    cos: torch.Tensor  # the rotary tables, float32
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    window: int | None
+    post_norm: torch.Tensor  # post-attention RMSNorm weight and eps
+    post_eps: float
+    next_norm: torch.Tensor  # the next layer's input norm (the final norm after the last)
+    next_eps: float
 
 
 def _make_mlp(config: Any, idx: int, dtype: torch.dtype) -> nn.Module:
@@ -233,20 +243,35 @@ class LlamaForCausalLM(CausalLM):
 
     def _forward_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[KVCache]
                        ) -> torch.Tensor:
-        """The bfloat16 CPU path: norms, rope + cache writes and SiLU · up as fused ops."""
-        layers = self.model.layers
-        first = layers[0].input_layernorm
+        """The bfloat16 CPU path: `DecoderLayer.forward` with rope + cache writes, SiLU · up
+        and each residual add + RMSNorm as fused ops."""
+        first = self.model.layers[0].input_layernorm
         normed = fused_ops.rms_norm(x, first.weight, first.eps)
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        for layer, kv, next_norm in zip(layers, kv_caches, next_norms, strict=True):
-            x, normed = layer.forward_fused(x, normed, batch, kv, next_norm)
+        positions, slots, t = batch.positions, batch.slot_mapping, x.shape[0]
+        for layer, kv in zip(self._fused_layers, kv_caches, strict=True):
+            q = fused_ops.rope_qkv_to_cache(layer.qkv_proj(normed), positions, layer.cos,
+                                            layer.sin, kv[0], kv[1], slots, layer.num_heads,
+                                            layer.num_kv_heads)
+            o = attend_cached(q, kv, batch, layer.scale, layer.window)
+            x, normed = fused_ops.add_rms_norm(x, layer.o_proj(o.view(t, -1)), layer.post_norm,
+                                               layer.post_eps)
+            mlp = layer.down_proj(fused_ops.silu_mul(layer.gate_up_proj(normed)))
+            x, normed = fused_ops.add_rms_norm(x, mlp, layer.next_norm, layer.next_eps)
         return normed
 
     @functools.cached_property
-    def _fused_layers(self) -> bool:
-        """Every layer can run fused (decided once, after `prepare` fused the projections)."""
-        norm = self.model.norm
-        return (not norm.offset and all(layer.supports_fused() for layer in self.model.layers))
+    def _fused_layers(self) -> list[FusedLayer]:
+        """Every layer's `FusedLayer`, or [] where a layer cannot run fused (decided once,
+        after `prepare` fused and packed the projections)."""
+        layers, norm = self.model.layers, self.model.norm
+        if norm.offset or not all(layer.supports_fused() for layer in layers):
+            return []
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [norm]
+        return [layer.fused_plan(nxt) for layer, nxt in zip(layers, next_norms, strict=True)]
+
+    def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors bound above
+        self.__dict__.pop("_fused_layers", None)
+        return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, LMHead):
