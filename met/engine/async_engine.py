@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # non-final prefill chunk or a request that cannot be admitted yet): short, so it never
 # delays work, long enough not to spin a core.
 _IDLE_POLL_S = 0.001
+# The longest the engine thread waits for the loop to take a step's outputs (`_post`) before
+# it goes on anyway: a busy loop delays the next step by at most this.
+_HANDOVER_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = asyncio.Event()
+        self._handed_over = threading.Event()  # set by the loop once a step's items are out
         self.state = EngineState.LOADING
         self.fault_reason: str | None = None
         self.core: EngineCore | None = None  # read-only from the loop: immutable config only
@@ -192,8 +196,22 @@ class AsyncEngine:
         self._ready.set()
 
     def _post(self, items: list[StreamItem]) -> None:
+        """Hand ``items`` to the loop and wait (at most _HANDOVER_WAIT_S) until the tasks
+        they woke have run: the next step's threads then do not share the cores with the
+        loop's formatting and writing, which, overlapped, stretched every step (1 stream:
+        TPOT 6.3-6.7 → 5.7-5.9 ms on 2 cores)."""
         if items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, items)
+            self._handed_over.clear()
+            self._loop.call_soon_threadsafe(self._deliver_then_signal, items)
+            self._handed_over.wait(_HANDOVER_WAIT_S)
+
+    def _deliver_then_signal(self, items: list[StreamItem]) -> None:
+        try:
+            self._deliver(items)
+        finally:
+            # Queued after the wake-ups of the tasks the items woke (the ready queue is FIFO):
+            # it runs once each of them has taken its turn.
+            self._loop.call_soon(self._handed_over.set)
 
     # ------------------------------------------------------------------ engine thread
 
