@@ -28,8 +28,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with bfloat16 activations; w4a8 (those 4-bit blocks times int8 "
                         "activations in blocks of 32, the fastest at few streams) or w8a8 "
                         "(int8 weights per channel, int8 activations per row); auto: w4a8 "
-                        "(int4 without AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on the "
-                        "CPU with --max-num-seqs <= 16, else none")
+                        "for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU with AVX512-VNNI (without "
+                        "it int4 for --max-num-seqs <= 4), else none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

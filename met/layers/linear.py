@@ -26,7 +26,7 @@ from torch import nn
 
 from met.layers import int4_gemv
 from met.layers.int_activations import IntActivationLinear
-from met.layers.w4a8 import Int4Dynamic
+from met.layers.w4a8 import Int4Dynamic, Int8Blocks
 from met.layers.w8a8 import Int8Dynamic
 
 # Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
@@ -280,14 +280,21 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+# The LM head's layer per quantization (`CausalLM.prepare`): the head decides every token, so
+# it stays 8-bit; under w4a8 in 32-value blocks (GGUF Q8_0's form, llama.cpp's head of a Q4
+# file) with block-quantized activations.
+HEAD_WEIGHTS = {"int8": Int8Weight, "int4": Int8Weight, "w8a8": Int8Dynamic,
+                "w4a8": Int8Blocks}
+
+
 class LMHead(nn.Module):
     """hidden → float32 logits, over a weight [vocab, hidden] (the tied embedding table or
-    the model's own head); int8 weight-only when quantized."""
+    the model's own head); 8-bit (`HEAD_WEIGHTS`) when the model is quantized."""
 
     def __init__(self, weight: torch.Tensor, quantization: str | None):
         super().__init__()
         self.quantized = (None if quantization is None
-                          else QUANTIZED_WEIGHTS[quantization](weight, None))
+                          else HEAD_WEIGHTS[quantization](weight, None))
         self.weight = None if quantization is not None else weight
         # onednn_pack's copy (the weight itself may be the embedding table, still needed).
         self.onednn_weight: torch.Tensor | None = None

@@ -6,13 +6,16 @@ float weights are fitted to that form), and each activation row quantized to int
 of 32 with its own scale when the layer runs. VPDPBUSD sums the products of the 4-bit and
 8-bit integers exactly per block; the block sums are scaled and added in float32 in a fixed
 order. One kernel runs every number of rows, so a row's output is bitwise the same in any
-batch (from `AMX_MIN_ROWS` rows on, AMX-INT8 tiles compute the same exact integer sums and the
-same float steps follow). It reads half a byte per weight (plus float16 d and m per 32): decode at few rows is
-memory-bound, and this is the smallest read of met's paths. Without AVX512-VNNI (or a
-compiler) a plain-PyTorch path computes the same formula (not bitwise the kernel's).
+batch (from `AMX_MIN_ROWS` rows on, AMX-INT8 tiles compute the same exact integer sums and
+the same float steps follow). It reads half a byte per weight (plus float16 d and m per 32):
+decode at few rows is memory-bound, and this is the smallest read of met's paths. Without
+AVX512-VNNI (or a compiler) a plain-PyTorch path computes the same formula (not bitwise the
+kernel's).
 
-Per-row int8 activations (w8a8) cost ~0.2 nats of logprob against float32 on the embedded
-model; 32-value blocks keep that at int8 / int4 weight-only's ~0.07 (docs/benchmarks.md).
+The LM head is `Int8Blocks`: 8-bit weights in 32-value blocks (GGUF Q8_0's form, the head
+llama.cpp runs a Q4 file with) times the same block-quantized activations. Against float32
+on the embedded model the whole path is ~0.055 nats of logprob on average (docs/
+benchmarks.md); per-row int8 activations (w8a8) cost ~0.2.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from met.layers.int_activations import IntActivationLinear
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_w4a8_v4"
+_NAME = "met_w4a8_v5"
 _SOURCE = "w4a8.cpp"
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
@@ -82,6 +85,23 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     return packed, scales(d), scales(m)
 
 
+def block_quantized_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            out_float: bool) -> torch.Tensor:
+    """The kernels' formula in plain PyTorch: x's rows quantized to int8 per 32-value block,
+    times the float32 weights [N, K] the integers stand for (rounding differs from the
+    kernels' integer sums)."""
+    rows, k = x.shape
+    xb = x.float().reshape(rows, k // BLOCK, BLOCK)
+    absmax = xb.abs().amax(dim=-1, keepdim=True)
+    c127 = torch.full_like(absmax, 127.0)
+    inv = torch.where(absmax > 0, c127 / absmax, torch.zeros_like(absmax))
+    xq = torch.round(xb * inv).clamp(-127, 127) * (absmax / c127)
+    y = xq.reshape(rows, k) @ weight.t()
+    if bias is not None:
+        y = y + bias[: weight.shape[0]]
+    return y if out_float else y.to(torch.bfloat16)
+
+
 class Int4Dynamic(IntActivationLinear):
     """Q4_1-form weights [N, K] × activations quantized per 32-value block."""
 
@@ -128,19 +148,7 @@ class Int4Dynamic(IntActivationLinear):
                                                    self.out_features, out_float, amx_min_rows)
 
     def _torch_product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
-        """The same formula in plain PyTorch: activations quantized per block, multiplied
-        by the float weights (rounding differs from the kernel's integer sums)."""
-        rows, k = x.shape
-        xb = x.float().reshape(rows, k // BLOCK, BLOCK)
-        absmax = xb.abs().amax(dim=-1, keepdim=True)
-        c127 = torch.full_like(absmax, 127.0)
-        inv = torch.where(absmax > 0, c127 / absmax, torch.zeros_like(absmax))
-        xq = torch.round(xb * inv).clamp(-127, 127) * (absmax / c127)
-        weight = self.weight_f32 if not self.native else self.dequantized()
-        y = xq.reshape(rows, k) @ weight.t()
-        if self.bias is not None:
-            y = y + self.bias[: self.out_features]
-        return y if out_float else y.to(torch.bfloat16)
+        return block_quantized_product(x, self.dequantized(), self.bias, out_float)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights [N, K] the integers stand for."""
@@ -153,3 +161,78 @@ class Int4Dynamic(IntActivationLinear):
         d = self.d.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
         m = self.m.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
         return (q * d + m).reshape(g * _GROUP, -1)[: self.out_features]
+
+
+def fit_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weights [N, K] → (q int8 -127..127, d float16 [N, K / 32]) with w ≈ d q: each
+    block's max |w| over 127 (GGUF Q8_0's form)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    q = torch.round(w / d.float().clamp(min=1e-12)[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).reshape(n, k), d
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit kernel's layout (csrc/w4a8.cpp, linear_q8) of q [N, K] and d [N, K / 32]:
+    q + 128 as bytes, [group][block][quad][16 channels][lane][4]."""
+    n, k = q.shape
+    pad = -n % _GROUP
+    u = F.pad(q.to(torch.int16) + 128, (0, 0, 0, pad), value=128).to(torch.uint8)
+    d = F.pad(d.to(torch.float16), (0, 0, 0, pad))
+    groups, nb = u.shape[0] // _GROUP, k // BLOCK
+    packed = u.reshape(groups, 4, 16, nb, 8, 4).permute(0, 3, 4, 1, 2, 5).contiguous()
+    return packed, d.reshape(groups, 4, 16, nb).permute(0, 3, 1, 2).contiguous()
+
+
+class Int8Blocks(IntActivationLinear):
+    """8-bit weights in 32-value blocks (w = d · q, GGUF Q8_0's form) × activations quantized
+    per 32-value block: the LM head under w4a8, the arithmetic llama.cpp runs a Q8_0 head
+    with. Same kernel file and guarantees as `Int4Dynamic` (bitwise equal for any row count,
+    AMX tiles from `AMX_MIN_ROWS` rows)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"quantization w4a8: input size {k} is not a multiple of {BLOCK}")
+        q, d = fit_q8_blocks(weight)
+        self.out_features, self.in_features = n, k
+        self.native = weight.device.type == "cpu" and available()
+        if self.native:
+            packed, dp = pack_q8(q, d)
+            self.register_buffer("packed", packed)
+            self.register_buffer("d", dp)
+            bias_f = None if bias is None else F.pad(bias.detach().float(), (0, -n % _GROUP))
+        else:
+            w = q.float().reshape(n, -1, BLOCK) * d.float()[..., None]
+            self.register_buffer("weight_f32", w.reshape(n, k).contiguous())
+            bias_f = None if bias is None else bias.detach().float()
+        self.register_buffer("bias", None if bias_f is None else bias_f.contiguous())
+
+    def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if not self.native:
+            return super().bf16_rows()
+        kernel = native_op(_NAME, _SOURCE, "linear_q8")
+        packed, d, bias, n = self.packed, self.d, self.bias, self.out_features
+        return lambda x: kernel(x, packed, d, bias, n, False, AMX_MIN_ROWS)
+
+    def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
+        if self.native:
+            return self.kernel(x, out_float, AMX_MIN_ROWS)
+        return block_quantized_product(x, self.weight_f32, self.bias, out_float)
+
+    def kernel(self, x: torch.Tensor, out_float: bool, amx_min_rows: int) -> torch.Tensor:
+        """The native kernel on x [M, K] contiguous bfloat16 (see `Int4Dynamic.kernel`)."""
+        return native_op(_NAME, _SOURCE, "linear_q8")(x, self.packed, self.d, self.bias,
+                                                      self.out_features, out_float,
+                                                      amx_min_rows)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights [N, K] the integers stand for."""
+        if not self.native:
+            return self.weight_f32
+        g, nb = self.packed.shape[0], self.packed.shape[1]
+        q = self.packed.permute(0, 3, 4, 1, 2, 5).reshape(g * _GROUP, nb, BLOCK)
+        d = self.d.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
+        return ((q.float() - 128.0) * d).reshape(g * _GROUP, -1)[: self.out_features]

