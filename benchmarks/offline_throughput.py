@@ -1,7 +1,12 @@
 """Offline throughput: met's LLM.generate vs transformers' generate, same model, same prompts.
 
     python benchmarks/offline_throughput.py [--model PATH] [--num-prompts 64] [--isl 128]
-        [--osl 128] [--dtype float32] [--hf-batch-size 64] [--skip-hf]
+        [--osl 128] [--dtype float32] [--quantization none] [--hf-dtype DTYPE]
+        [--hf-batch-size 64] [--skip-hf]
+
+transformers runs in --hf-dtype (default: --dtype; float32 for auto), so met's fast path can
+be set against transformers' exact float32, e.g. ``--dtype bfloat16 --quantization w4a8
+--hf-dtype float32 --num-prompts 1 --hf-batch-size 1`` for one stream.
 
 Prompts are random token ids of exactly --isl tokens (no padding needed on either side);
 every request generates exactly --osl tokens (ignore_eos / min_new_tokens). Prints one
@@ -47,7 +52,8 @@ def run_hf(args, prompts) -> dict:
     from met.loader.resolve import resolve_model
 
     src = resolve_model(args.model)
-    kwargs = {"dtype": torch.float32 if args.dtype in ("auto", "float32") else torch.bfloat16}
+    hf_dtype = args.hf_dtype or args.dtype
+    kwargs = {"dtype": torch.float32 if hf_dtype in ("auto", "float32") else torch.bfloat16}
     if src.kind == "gguf":
         model = AutoModelForCausalLM.from_pretrained(str(src.path.parent),
                                                      gguf_file=src.path.name, **kwargs)
@@ -81,7 +87,10 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--quantization", default="none",
+                   choices=["auto", "none", "int8", "int4", "w8a8", "w4a8"])
+    p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="transformers' dtype (default: --dtype)")
     args = p.parse_args()
 
     from met import LLM
