@@ -98,10 +98,10 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, -1))
 
     def supports_fused(self) -> bool:
-        """Whether `forward_fused` applies: fused q|k|v, no q/k norm, rope tables in float32."""
+        """Whether the fused path (`LlamaForCausalLM._forward_fused`) applies: fused q|k|v,
+        no q/k norm, rope tables in float32."""
         return (hasattr(self, "qkv_proj") and self.q_norm is None
                 and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0)
-
 
 
 def qkv_bias_only(config: Any) -> bool:
@@ -123,7 +123,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def supports_fused(self) -> bool:
-        """Whether `forward_fused` applies: fused gate|up with SiLU."""
+        """Whether the fused path applies: fused gate|up with SiLU."""
         return hasattr(self, "gate_up_proj") and self.act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
