@@ -20,6 +20,7 @@ benchmarks.md); per-row int8 activations (w8a8) cost ~0.2.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -44,12 +45,6 @@ def available() -> bool:
     """True when this CPU has AVX512-VNNI and the kernel builds (compiles on first call)."""
     ops = load_native_ops(_NAME, _SOURCE)
     return ops is not None and bool(ops.supported())
-
-
-def amx_available() -> bool:
-    """True when the kernel also runs AMX-INT8 tiles here (`AMX_MIN_ROWS`)."""
-    ops = load_native_ops(_NAME, _SOURCE)
-    return ops is not None and bool(ops.supported()) and bool(ops.amx_supported())
 
 
 def fit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,11 +73,19 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     q7 = q.reshape(groups, 4, 16, nb, 4, 2, 4)
     nibbles = q7[:, :, :, :, :, 0, :] | (q7[:, :, :, :, :, 1, :] << 4)
     packed = nibbles.permute(0, 3, 4, 1, 2, 5).contiguous()  # [g, b, p, j, lane, i]
+    return packed, _scale_layout(d), _scale_layout(m)
 
-    def scales(v: torch.Tensor) -> torch.Tensor:
-        return v.reshape(groups, 4, 16, nb).permute(0, 3, 1, 2).contiguous()  # [g, b, j, lane]
 
-    return packed, scales(d), scales(m)
+def _scale_layout(v: torch.Tensor) -> torch.Tensor:
+    """Per-block float16 values [N (a multiple of 64), K / 32] → the kernels' [g, b, j, lane]."""
+    n, nb = v.shape
+    return v.reshape(n // _GROUP, 4, 16, nb).permute(0, 3, 1, 2).contiguous()
+
+
+def _row_layout(v: torch.Tensor) -> torch.Tensor:
+    """`_scale_layout` undone, as float32 [N, K / 32, 1]."""
+    g, nb = v.shape[0], v.shape[1]
+    return v.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
 
 
 def block_quantized_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -102,39 +105,56 @@ def block_quantized_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return y if out_float else y.to(torch.bfloat16)
 
 
-class Int4Dynamic(IntActivationLinear):
-    """Q4_1-form weights [N, K] × activations quantized per 32-value block."""
+class _BlockKernelLinear(IntActivationLinear):
+    """Shared by the two weight forms of csrc/w4a8.cpp: the kernel's buffers (``packed`` and
+    the per-block scales, `_kernel_buffers`) where it runs, else the float32 weights the
+    integers stand for and the same formula in plain PyTorch. Subclasses give the integers
+    (`_integers`), their kernel layout (`_pack`), their float value (`_float_weight`) and how
+    to read them back (`_unpack`)."""
+
+    _op: str  # the kernel's op in csrc/w4a8.cpp
+    _kernel_buffers: tuple[str, ...]  # the weight buffers the op takes, in order
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         n, k = weight.shape
         if k % BLOCK:
             raise ValueError(f"quantization w4a8: input size {k} is not a multiple of {BLOCK}")
-        blocks = getattr(weight, "q4_blocks", None)
-        if blocks is not None:  # a GGUF Q4_0 / Q4_1 tensor: its own integers and scales
-            q, d, m = blocks.q, blocks.scale.to(torch.float16), blocks.minimum.to(torch.float16)
-        else:
-            q, d, m = fit_blocks(weight)
         self.out_features, self.in_features = n, k
+        integers = self._integers(weight)
         self.native = weight.device.type == "cpu" and available()
         if self.native:
-            packed, dp, mp = pack(q, d, m)
-            self.register_buffer("packed", packed)
-            self.register_buffer("d", dp)
-            self.register_buffer("m", mp)
+            for name, tensor in zip(self._kernel_buffers, self._pack(*integers), strict=True):
+                self.register_buffer(name, tensor)
             bias_f = None if bias is None else F.pad(bias.detach().float(), (0, -n % _GROUP))
-        else:  # the float weights the integers stand for
-            w = (q.float().reshape(n, -1, BLOCK) * d.float()[..., None] + m.float()[..., None])
-            self.register_buffer("weight_f32", w.reshape(n, k).contiguous())
+        else:
+            self.register_buffer("weight_f32", self._float_weight(*integers).contiguous())
             bias_f = None if bias is None else bias.detach().float()
         self.register_buffer("bias", None if bias_f is None else bias_f.contiguous())
+
+    @abstractmethod
+    def _integers(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The integers and per-block scales the weights become."""
+
+    @abstractmethod
+    def _pack(self, *integers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The integers in the kernel's layout, `_kernel_buffers`' tensors in order."""
+
+    @abstractmethod
+    def _float_weight(self, *integers: torch.Tensor) -> torch.Tensor:
+        """The float32 weights [N, K] the integers stand for."""
+
+    @abstractmethod
+    def _unpack(self) -> torch.Tensor:
+        """`_float_weight` read back from the packed buffers ([N padded to 64, K])."""
 
     def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.native:
             return super().bf16_rows()
-        kernel = native_op(_NAME, _SOURCE, "linear")
-        packed, d, m, bias, n = self.packed, self.d, self.m, self.bias, self.out_features
-        return lambda x: kernel(x, packed, d, m, bias, n, False, AMX_MIN_ROWS)
+        kernel = native_op(_NAME, _SOURCE, self._op)
+        weights = tuple(getattr(self, name) for name in self._kernel_buffers)
+        bias, n = self.bias, self.out_features
+        return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS)
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if self.native:
@@ -144,23 +164,45 @@ class Int4Dynamic(IntActivationLinear):
     def kernel(self, x: torch.Tensor, out_float: bool, amx_min_rows: int) -> torch.Tensor:
         """The native kernel on x [M, K] contiguous bfloat16; AMX tiles from
         ``amx_min_rows`` rows on (same bits either way)."""
-        return native_op(_NAME, _SOURCE, "linear")(x, self.packed, self.d, self.m, self.bias,
-                                                   self.out_features, out_float, amx_min_rows)
+        weights = (getattr(self, name) for name in self._kernel_buffers)
+        return native_op(_NAME, _SOURCE, self._op)(x, *weights, self.bias, self.out_features,
+                                                   out_float, amx_min_rows)
 
     def _torch_product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         return block_quantized_product(x, self.dequantized(), self.bias, out_float)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights [N, K] the integers stand for."""
-        if not self.native:
-            return self.weight_f32
+        return self._unpack()[: self.out_features] if self.native else self.weight_f32
+
+
+class Int4Dynamic(_BlockKernelLinear):
+    """Q4_1-form weights [N, K] × activations quantized per 32-value block."""
+
+    _op = "linear"
+    _kernel_buffers = ("packed", "d", "m")
+
+    def _integers(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        blocks = getattr(weight, "q4_blocks", None)
+        if blocks is not None:  # a GGUF Q4_0 / Q4_1 tensor: its own integers and scales
+            return blocks.q, blocks.scale.to(torch.float16), blocks.minimum.to(torch.float16)
+        return fit_blocks(weight)
+
+    def _pack(self, *integers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return pack(*integers)
+
+    def _float_weight(self, *integers: torch.Tensor) -> torch.Tensor:
+        q, d, m = integers
+        n, k = q.shape
+        return (q.float().reshape(n, -1, BLOCK) * d.float()[..., None]
+                + m.float()[..., None]).reshape(n, k)
+
+    def _unpack(self) -> torch.Tensor:
         g, nb = self.packed.shape[0], self.packed.shape[1]
         nib = self.packed.permute(0, 3, 4, 1, 2, 5)  # [g, j, lane, b, p, i]
         q = torch.stack([nib & 15, nib >> 4], dim=-2)  # [g, j, lane, b, p, h, i]
         q = q.reshape(g * _GROUP, nb, BLOCK).float()
-        d = self.d.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
-        m = self.m.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
-        return (q * d + m).reshape(g * _GROUP, -1)[: self.out_features]
+        return (q * _row_layout(self.d) + _row_layout(self.m)).reshape(g * _GROUP, -1)
 
 
 def fit_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,57 +224,30 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     d = F.pad(d.to(torch.float16), (0, 0, 0, pad))
     groups, nb = u.shape[0] // _GROUP, k // BLOCK
     packed = u.reshape(groups, 4, 16, nb, 8, 4).permute(0, 3, 4, 1, 2, 5).contiguous()
-    return packed, d.reshape(groups, 4, 16, nb).permute(0, 3, 1, 2).contiguous()
+    return packed, _scale_layout(d)
 
 
-class Int8Blocks(IntActivationLinear):
+class Int8Blocks(_BlockKernelLinear):
     """8-bit weights in 32-value blocks (w = d · q, GGUF Q8_0's form) × activations quantized
     per 32-value block: the LM head under w4a8, the arithmetic llama.cpp runs a Q8_0 head
     with. Same kernel file and guarantees as `Int4Dynamic` (bitwise equal for any row count,
     AMX tiles from `AMX_MIN_ROWS` rows)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        n, k = weight.shape
-        if k % BLOCK:
-            raise ValueError(f"quantization w4a8: input size {k} is not a multiple of {BLOCK}")
-        q, d = fit_q8_blocks(weight)
-        self.out_features, self.in_features = n, k
-        self.native = weight.device.type == "cpu" and available()
-        if self.native:
-            packed, dp = pack_q8(q, d)
-            self.register_buffer("packed", packed)
-            self.register_buffer("d", dp)
-            bias_f = None if bias is None else F.pad(bias.detach().float(), (0, -n % _GROUP))
-        else:
-            w = q.float().reshape(n, -1, BLOCK) * d.float()[..., None]
-            self.register_buffer("weight_f32", w.reshape(n, k).contiguous())
-            bias_f = None if bias is None else bias.detach().float()
-        self.register_buffer("bias", None if bias_f is None else bias_f.contiguous())
+    _op = "linear_q8"
+    _kernel_buffers = ("packed", "d")
 
-    def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        if not self.native:
-            return super().bf16_rows()
-        kernel = native_op(_NAME, _SOURCE, "linear_q8")
-        packed, d, bias, n = self.packed, self.d, self.bias, self.out_features
-        return lambda x: kernel(x, packed, d, bias, n, False, AMX_MIN_ROWS)
+    def _integers(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fit_q8_blocks(weight)
 
-    def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
-        if self.native:
-            return self.kernel(x, out_float, AMX_MIN_ROWS)
-        return block_quantized_product(x, self.weight_f32, self.bias, out_float)
+    def _pack(self, *integers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return pack_q8(*integers)
 
-    def kernel(self, x: torch.Tensor, out_float: bool, amx_min_rows: int) -> torch.Tensor:
-        """The native kernel on x [M, K] contiguous bfloat16 (see `Int4Dynamic.kernel`)."""
-        return native_op(_NAME, _SOURCE, "linear_q8")(x, self.packed, self.d, self.bias,
-                                                      self.out_features, out_float,
-                                                      amx_min_rows)
+    def _float_weight(self, *integers: torch.Tensor) -> torch.Tensor:
+        q, d = integers
+        n, k = q.shape
+        return (q.float().reshape(n, -1, BLOCK) * d.float()[..., None]).reshape(n, k)
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weights [N, K] the integers stand for."""
-        if not self.native:
-            return self.weight_f32
+    def _unpack(self) -> torch.Tensor:
         g, nb = self.packed.shape[0], self.packed.shape[1]
         q = self.packed.permute(0, 3, 4, 1, 2, 5).reshape(g * _GROUP, nb, BLOCK)
-        d = self.d.permute(0, 2, 3, 1).reshape(g * _GROUP, nb, 1).float()
-        return ((q.float() - 128.0) * d).reshape(g * _GROUP, -1)[: self.out_features]
+        return ((q.float() - 128.0) * _row_layout(self.d)).reshape(g * _GROUP, -1)
