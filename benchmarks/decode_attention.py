@@ -2,7 +2,8 @@
 
     python benchmarks/decode_attention.py [--num-reqs 64] [--heads 9] [--kv-heads 3]
         [--head-dim 64] [--min-ctx 140] [--max-ctx 204] [--dtype bfloat16]
-        [--layout blocks|shuffled-blocks] [--threads N] [--fresh-build]
+        [--layout blocks|shuffled-blocks] [--kv-cache-dtype auto|int8] [--layers 1]
+        [--threads N] [--fresh-build]
 
 One call = one layer of one decode step: every request has one query token and attends over
 its whole context, read from a paged cache [Hkv, S, D] through its slot list. "blocks" lays
@@ -10,6 +11,11 @@ each request's context out in consecutive 16-slot blocks (a fresh engine's alloc
 "shuffled-blocks" scatters the blocks over the cache (a long-running engine's). Per call
 the kernel reads each request's keys and values once (~8 MB here), so the cache is sized
 well past L2 and its lines are evicted between calls, as they would be across layers.
+--kv-cache-dtype int8 stores the cache as int8 rows with a scale each (met.layers.kv_cache);
+max_err is then against the float32 reference on the dequantized rows. --layers N gives each
+of N layers its own cache and times one call per layer in turn (N = 30 is the embedded
+model's decode step: ~250 MB of keys and values at 64 requests, read from memory rather than
+L3); kernel_us is then per layer.
 
 --fresh-build compiles the kernel into an empty extensions directory, so the first-call time
 is the real compile time rather than the load of a cached build. --clock thread times with
@@ -72,6 +78,33 @@ def time_per_call(fn, flush: torch.Tensor, iters: int, repeats: int, clock) -> f
     return best
 
 
+def _layer_cache(like, seed: int):
+    """A cache shaped like ``like`` (float or int8) with its own random rows."""
+    from met.layers.kv_cache import KVCache, quantize_rows
+
+    g = torch.Generator().manual_seed(1000 + seed)
+    k = torch.randn(like.k.shape, generator=g)
+    v = torch.randn(like.v.shape, generator=g)
+    if like.quantized:
+        (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
+        return KVCache(kq, vq, ks, vs)
+    return KVCache(k.to(like.k.dtype), v.to(like.v.dtype))
+
+
+def time_layers(call, layers: list, repeats: int, clock) -> float:
+    """Best-of-repeats mean seconds per layer of one call per layer in turn (a decode step:
+    each layer's cache was last read a whole step ago)."""
+    for c in layers:
+        call(c)
+    best = float("inf")
+    for _ in range(repeats):
+        t = clock()
+        for c in layers:
+            call(c)
+        best = min(best, (clock() - t) / len(layers))
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-reqs", type=int, default=64)
@@ -82,6 +115,8 @@ def main() -> None:
     p.add_argument("--max-ctx", type=int, default=204)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--layout", default="blocks", choices=["blocks", "shuffled-blocks"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--layers", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--repeats", type=int, default=7)
@@ -97,6 +132,7 @@ def main() -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="met-ext-")
 
     from met.layers import cpu_decode_attention as cda
+    from met.layers.kv_cache import KVCache, gather_kv, quantize_rows
 
     q, k, v, slots, offsets = make_problem(args)
     scale = args.head_dim**-0.5
@@ -106,15 +142,27 @@ def main() -> None:
     if not available:
         raise SystemExit("native kernel unavailable (see the warning above)")
 
-    kernel = lambda: cda.decode_attention(q, k, v, slots, offsets, scale)  # noqa: E731
-    loop = lambda: cda.decode_attention_reference(q, k, v, slots, offsets, scale)  # noqa: E731
-    ref = cda.decode_attention_reference(q.float(), k.float(), v.float(), slots, offsets, scale)
+    kv = KVCache(k, v)
+    if args.kv_cache_dtype == "int8":
+        (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
+        kv = KVCache(kq, vq, ks, vs)
+        k, v = gather_kv(kv, torch.arange(k.shape[1]), torch.float32)
+    kernel = lambda: cda.decode_attention(q, kv, slots, offsets, scale)  # noqa: E731
+    loop = lambda: cda.decode_attention_reference(q, kv, slots, offsets, scale)  # noqa: E731
+    ref = cda.decode_attention_reference(q.float(), KVCache(k.float(), v.float()), slots,
+                                         offsets, scale)
     max_err = (kernel().float() - ref).abs().max().item()
 
     flush = torch.zeros(8 * 1024 * 1024)
-    kernel_s = time_per_call(kernel, flush, args.iters, args.repeats, clock)
+    if args.layers > 1:  # the other layers' caches: same slots, their own random rows
+        layers = [kv] + [_layer_cache(kv, seed) for seed in range(1, args.layers)]
+        kernel_s = time_layers(lambda c: cda.decode_attention(q, c, slots, offsets, scale),
+                               layers, args.repeats, clock)
+    else:
+        kernel_s = time_per_call(kernel, flush, args.iters, args.repeats, clock)
     loop_s = time_per_call(loop, flush, max(5, args.iters // 10), args.repeats, clock)
-    kv_bytes = 2 * int(offsets[-1]) * args.kv_heads * args.head_dim * k.element_size()
+    row_bytes = args.head_dim * kv.k.element_size() + (4 if kv.quantized else 0)
+    kv_bytes = 2 * int(offsets[-1]) * args.kv_heads * row_bytes
     print(
         json.dumps(
             {
@@ -131,6 +179,8 @@ def main() -> None:
                     "ctx": [args.min_ctx, args.max_ctx],
                     "dtype": args.dtype,
                     "layout": args.layout,
+                    "kv_cache_dtype": args.kv_cache_dtype,
+                    "layers": args.layers,
                 },
                 "first_call_s": round(first_call_s, 2),
                 "fresh_build": args.fresh_build,

@@ -1,8 +1,8 @@
 """Offline throughput: met's LLM.generate vs transformers' generate, same model, same prompts.
 
     python benchmarks/offline_throughput.py [--model PATH] [--num-prompts 64] [--isl 128]
-        [--osl 128] [--dtype float32] [--quantization none] [--hf-dtype DTYPE]
-        [--hf-batch-size 64] [--skip-hf]
+        [--osl 128] [--dtype float32] [--quantization none] [--kv-cache-dtype auto|int8]
+        [--hf-dtype DTYPE] [--hf-batch-size 64] [--skip-hf]
 
 transformers runs in --hf-dtype (default: --dtype; float32 for auto), so met's fast path can
 be set against transformers' exact float32, e.g. ``--dtype bfloat16 --quantization w4a8
@@ -89,6 +89,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--quantization", default="none",
                    choices=["auto", "none", "int8", "int4", "w8a8", "w4a8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
                    help="transformers' dtype (default: --dtype)")
     args = p.parse_args()
@@ -96,7 +97,7 @@ def main() -> None:
     from met import LLM
 
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
-              max_model_len=args.isl + args.osl + 16,
+              kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.isl + args.osl + 16,
               max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts = _prompts(args.num_prompts, args.isl, llm.engine.loaded.hf_config.vocab_size)
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

@@ -2,10 +2,11 @@
 
     python benchmarks/quality.py [--model PATH]
 
-For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, + w8a8, + w4a8)
-over a fixed English text (this file's TEXT, ~300 tokens): perplexity from prompt logprobs,
-the largest and mean |Δ logprob| of the text's tokens against float32, and whether greedy
-answers to fixed chat prompts match float32's. Prints one JSON line per path.
+For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, + w8a8, + w4a8, and
+with the int8 KV cache: float32, bfloat16, w4a8) over a fixed English text (this file's
+TEXT, ~230 tokens): perplexity from prompt logprobs, the largest and mean |Δ logprob| of the
+text's tokens against float32, and whether greedy answers to fixed chat prompts match
+float32's. Prints one JSON line per path.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ TEXT = (
 )
 CHATS = ["What is the capital of France?", "Name three primary colors.",
          "Write one sentence about the moon.", "What is 12 times 12?"]
-PATHS = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4"),
-         ("bfloat16", "w8a8"), ("bfloat16", "w4a8")]
+# (dtype, quantization, kv_cache_dtype); the first is the reference.
+PATHS = [("float32", None, "auto"), ("bfloat16", None, "auto"), ("bfloat16", "int8", "auto"),
+         ("bfloat16", "int4", "auto"), ("bfloat16", "w8a8", "auto"), ("bfloat16", "w4a8", "auto"),
+         ("float32", None, "int8"), ("bfloat16", None, "int8"), ("bfloat16", "w4a8", "int8")]
 
 
 def main() -> None:
@@ -43,8 +46,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     reference: dict = {}
-    for dtype, quant in PATHS:
-        llm = LLM(args.model, dtype=dtype, quantization=quant, max_model_len=2048)
+    for dtype, quant, kv_dtype in PATHS:
+        llm = LLM(args.model, dtype=dtype, quantization=quant, max_model_len=2048,
+                  kv_cache_dtype=kv_dtype)
         ids = llm.tokenizer(TEXT)["input_ids"]
         out = llm.generate({"prompt_token_ids": ids},
                            SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
@@ -52,7 +56,8 @@ def main() -> None:
         answers = [o.outputs[0].text for o in llm.chat(
             [[{"role": "user", "content": c}] for c in CHATS],
             SamplingParams(max_tokens=32, temperature=0.0))]
-        row = {"dtype": dtype, "quantization": quant, "tokens": len(ids),
+        row = {"dtype": dtype, "quantization": quant, "kv_cache_dtype": kv_dtype,
+               "tokens": len(ids),
                "perplexity": round(math.exp(-sum(lps) / len(lps)), 4)}
         if not reference:
             reference = {"lps": lps, "answers": answers}

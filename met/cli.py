@@ -37,6 +37,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="KV pool size, e.g. 512MiB, 2GiB or bytes")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="auto: the model's dtype; int8: each key/value row as int8 with a "
+                        "float32 scale, ~half the bytes per token (more tokens in the pool, "
+                        "less to read per decode step)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--cache-dir", default=None,
@@ -64,6 +68,7 @@ def _build_llm(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         cache_dir=args.cache_dir, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -139,6 +144,7 @@ def _engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         cache_dir=args.cache_dir, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

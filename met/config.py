@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from met.layers.kv_cache import KV_CACHE_DTYPES
+
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -69,6 +71,9 @@ class EngineConfig:
     # without AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU serving at most 16
     # sequences, else none (see met/loader/auto_quant)
     quantization: str | None = "auto"
+    # "auto": the KV cache in the model's dtype; "int8": int8 rows with a float32 scale each
+    # (met/layers/kv_cache.py), about half the bytes per token
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -90,6 +95,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_CHOICES)} "
                              f"(or None), got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.quantization == "none":
             object.__setattr__(self, "quantization", None)  # one spelling of "off" downstream
 

@@ -64,3 +64,27 @@ def test_generate_sampler_flags_match_the_offline_llm(tiny_checkpoint):
     assert run.returncode == 0, run.stderr
     assert run.stdout.rstrip("\n") == ref_text
     assert f"finish_reason=stop, stop_reason={ids[stop_at]}" in run.stderr
+
+
+def test_generate_kv_cache_dtype_flag_reaches_the_engine(tiny_checkpoint):
+    """--kv-cache-dtype int8: the same completion as the offline LLM with an int8 cache,
+    and the startup log says which cache it built."""
+    ckpt = str(tiny_checkpoint("llama"))
+    prompt = "hello world"
+    expected = LLM(ckpt, dtype="float32", max_model_len=64, kv_cache_dtype="int8").generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
+    run = subprocess.run(
+        [sys.executable, "-m", "met.cli", "generate", ckpt, "--prompt", prompt,
+         "--max-tokens", "8", "--dtype", "float32", "--max-model-len", "64",
+         "--kv-cache-dtype", "int8"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.rstrip("\n") == expected
+    assert "int8 rows + scales" in run.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "met.cli", "generate", ckpt, "--prompt", prompt,
+         "--kv-cache-dtype", "fp8"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr

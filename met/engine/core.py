@@ -59,16 +59,18 @@ class EngineCore:
         num_blocks = self._num_blocks(dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
-                                  self.device)
+                                  self.device, config.kv_cache_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None
-        log.info("KV cache: %d blocks x %d tokens = %d tokens", num_blocks, config.block_size,
-                 num_blocks * config.block_size)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%s)", num_blocks,
+                 config.block_size, num_blocks * config.block_size,
+                 "int8 rows + scales" if config.kv_cache_dtype == "int8" else dtype)
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
-        per_block = kv_bytes_per_block(self.loaded.model, self.config.block_size, dtype)
+        per_block = kv_bytes_per_block(self.loaded.model, self.config.block_size, dtype,
+                                       self.config.kv_cache_dtype)
         budget = self.config.kv_cache_memory
         if budget is None:
             full_seqs = self.config.max_num_seqs * self.max_model_len

@@ -40,13 +40,14 @@ class LLM:
         cache_dir: str | None = None,
         seed: int = 0,
         quantization: str | None = "auto",
+        kv_cache_dtype: str = "auto",
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching, cache_dir=cache_dir, seed=seed,
-            quantization=quantization,
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         )
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer

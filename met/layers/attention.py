@@ -1,9 +1,10 @@
 """Paged attention, pure PyTorch: runs on CPU and CUDA and is the reference backend.
 
-Each layer's KV cache is a pair of tensors [num_kv_heads, num_slots, head_dim], a slot being
-block * block_size + offset. New keys/values are scattered into their slots, then every
-request attends over its own context only, so a request's result never depends on what
-else is in the batch.
+Each layer's KV cache (met.layers.kv_cache.KVCache) is keys and values [num_kv_heads,
+num_slots, head_dim], a slot being block * block_size + offset, in the model's dtype or int8
+with a scale per row. New keys/values are scattered into their slots, then every request
+attends over its own context only, so a request's result never depends on what else is in
+the batch.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 
 from met.layers.batch import ForwardBatch
 from met.layers.cpu_decode_attention import decode_attention
+from met.layers.kv_cache import KVCache, gather_kv, write_kv
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+__all__ = ["KVCache", "attend_cached", "paged_attention"]
 
 
 def paged_attention(
@@ -29,9 +31,7 @@ def paged_attention(
     """Causal attention of q [T, H, D] over each request's cached context; returns [T, H, D].
 
     Writes the step's new keys and values k, v [T, Hkv, D] into their slots first."""
-    k_cache, v_cache = kv_cache
-    k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+    write_kv(kv_cache, batch.slot_mapping, k, v)
     return attend_cached(q, kv_cache, batch, scale, sliding_window)
 
 
@@ -43,25 +43,24 @@ def attend_cached(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention` once the step's keys and values are already in the cache."""
-    k_cache, v_cache = kv_cache
-    gqa = q.shape[1] != k_cache.shape[0]
+    gqa = q.shape[1] != kv_cache.k.shape[0]
     plan = batch.window_plan(sliding_window)
     if not plan.per_seq:  # a pure decode step: one call, rows already in order
-        return decode_attention(q, k_cache, v_cache, plan.decode_slots, plan.decode_offsets,
-                                scale)
+        return decode_attention(q, kv_cache, plan.decode_slots, plan.decode_offsets, scale)
     out = torch.empty_like(q)
     if plan.decode_rows.numel():
         # All decodes in one call: per-request results, without a Python loop per request.
         out[plan.decode_rows] = decode_attention(
-            q[plan.decode_rows], k_cache, v_cache, plan.decode_slots, plan.decode_offsets, scale
+            q[plan.decode_rows], kv_cache, plan.decode_slots, plan.decode_offsets, scale
         )
     for span, slots, mask in plan.per_seq:
         rows = slice(span.q_start, span.q_start + span.q_len)
+        keys, values = gather_kv(kv_cache, slots, q.dtype)
         # SDPA wants [B, H, L, D]; enable_gqa broadcasts the KV heads over query heads.
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0),
-            k_cache.index_select(1, slots).unsqueeze(0),
-            v_cache.index_select(1, slots).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=mask,
             scale=scale,
             enable_gqa=gqa,

@@ -31,6 +31,11 @@ the register-blocked path), vs ~2.4 ms for the loop; docs/benchmarks.md has the 
 single-core L3 read roof of ~25 GB/s (~0.34 ms). Neither vdpbf16ps nor AMX tiles for the
 scores made it faster.
 
+int8 caches (met.layers.kv_cache): rows are widened from int8 in registers; a key's row scale
+multiplies its dot product (with the softmax scale) and a value's row scale its weight after
+the softmax, so the arithmetic is the float path's on the dequantized rows, in another order.
+Only contiguous rows with head_dim % 64 == 0 read int8 (other caches go to the reference).
+
 The kernel is compiled on first use (met.layers.native) and cached per process. Without a
 working compiler the loader logs one warning and this module falls back to
 `decode_attention_reference`, a per-request SDPA loop with the same semantics.
@@ -41,12 +46,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from met.layers.kv_cache import KVCache, gather_kv
 from met.layers.native import native_op
 
 # The build's name and the op namespace the library registers (torch.ops.<name>). torch
 # rebuilds by itself when the source changes; bump the suffix if two versions of this source
 # could ever be loaded into one process, since a namespace can be registered only once.
-_EXT_NAME = "met_cpu_decode_attn_v4"
+_EXT_NAME = "met_cpu_decode_attn_v5"
 
 
 def _native_kernel():
@@ -62,23 +68,23 @@ def decode_attention_available() -> bool:
 
 def decode_attention_reference(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     slots: torch.Tensor,
     offsets: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Pure-PyTorch `decode_attention`: per-request SDPA over gathered keys and values."""
+    """Pure-PyTorch `decode_attention`: per-request SDPA over gathered (for an int8 cache,
+    dequantized) keys and values."""
     n, h, d = q.shape
-    gqa = h != k_cache.shape[0]
+    gqa = h != kv.k.shape[0]
     out = torch.empty_like(q)
     bounds = offsets.tolist()
     for i in range(n):
-        s = slots[bounds[i] : bounds[i + 1]]
+        keys, values = gather_kv(kv, slots[bounds[i] : bounds[i + 1]], q.dtype)
         o = F.scaled_dot_product_attention(
             q[i][None, :, None, :],  # [1, H, 1, D]
-            k_cache.index_select(1, s).unsqueeze(0),
-            v_cache.index_select(1, s).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             scale=scale,
             enable_gqa=gqa,
         )
@@ -88,23 +94,25 @@ def decode_attention_reference(
 
 def decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     slots: torch.Tensor,
     offsets: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Attention of one query token per request over that request's cached context.
 
-    q [N, H, D]; k_cache, v_cache [Hkv, S, D] (same dtype as q, H a multiple of Hkv);
-    slots: long, the concatenated context slots of all requests; offsets: long [N + 1],
-    request i attending over ``slots[offsets[i]:offsets[i + 1]]`` (at least one slot). No
-    mask: the query is the request's last token and sees its whole context. Returns [N, H, D]
-    in q's dtype. A request's result depends only on its own inputs (batch-invariant).
+    q [N, H, D]; kv: the layer's cache, keys and values [Hkv, S, D] in q's dtype or int8
+    with float32 scales [Hkv, S] (H a multiple of Hkv); slots: long, the concatenated context
+    slots of all requests; offsets: long [N + 1], request i attending over
+    ``slots[offsets[i]:offsets[i + 1]]`` (at least one slot). No mask: the query is the
+    request's last token and sees its whole context. Returns [N, H, D] in q's dtype. A
+    request's result depends only on its own inputs (batch-invariant).
     """
     op = None
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
-        op = _native_kernel()
+        # The kernel reads int8 rows only through its register-blocked path.
+        if not kv.quantized or (q.shape[-1] % 64 == 0 and kv.k.stride(2) == 1):
+            op = _native_kernel()
     if op is None:
-        return decode_attention_reference(q, k_cache, v_cache, slots, offsets, scale)
-    return op(q, k_cache, v_cache, slots, offsets, float(scale))
+        return decode_attention_reference(q, kv, slots, offsets, scale)
+    return op(q, kv.k, kv.v, slots, offsets, float(scale), kv.k_scale, kv.v_scale)

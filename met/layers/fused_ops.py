@@ -8,9 +8,10 @@ are as many passes over the activations. These ops do each chain in one call:
 - ``silu_mul(gate_up)``: SiLU of the first half times the second half;
 - ``argmax(logits)``: each float32 row's argmax, as torch.argmax(dim=-1) gives it (the
   greedy pick; torch's CPU argmax reads [64, 49152] logits ~8x slower);
-- ``rope_qkv_to_cache(qkv, positions, cos, sin, k_cache, v_cache, slots, H, Hkv) -> q``:
-  rope on the q and k heads of the fused projection, rotated keys and the values written to
-  their cache slots, rotated queries returned [T, H, D].
+- ``rope_qkv_to_cache(qkv, positions, cos, sin, kv, slots, H, Hkv) -> q``: rope on the q
+  and k heads of the fused projection, rotated keys and the values written to their cache
+  slots (an int8 `KVCache` gets each row quantized as `kv_cache.quantize_rows` does it, bit
+  for bit), rotated queries returned [T, H, D].
 
 They round like the ATen chains they replace (rope, SiLU · up and the residual add bit for
 bit; RMSNorm within one bfloat16 ulp) and compute each row alone, so results do not depend
@@ -22,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from met.layers.kv_cache import KVCache
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_fused_ops_v4"
+_NAME = "met_fused_ops_v5"
 
 
 def _ops():
@@ -62,7 +64,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def rope_qkv_to_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slots: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    return _op("rope_qkv_to_cache")(qkv, positions, cos, sin, k_cache, v_cache, slots,
-                                    num_heads, num_kv_heads)
+                      sin: torch.Tensor, kv: KVCache, slots: torch.Tensor, num_heads: int,
+                      num_kv_heads: int) -> torch.Tensor:
+    return _op("rope_qkv_to_cache")(qkv, positions, cos, sin, kv.k, kv.v, slots, num_heads,
+                                    num_kv_heads, kv.k_scale, kv.v_scale)

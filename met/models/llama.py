@@ -250,7 +250,7 @@ class LlamaForCausalLM(CausalLM):
         positions, slots, t = batch.positions, batch.slot_mapping, x.shape[0]
         for layer, kv in zip(self._fused_layers, kv_caches, strict=True):
             q = fused_ops.rope_qkv_to_cache(layer.qkv_proj(normed), positions, layer.cos,
-                                            layer.sin, kv[0], kv[1], slots, layer.num_heads,
+                                            layer.sin, kv, slots, layer.num_heads,
                                             layer.num_kv_heads)
             o = attend_cached(q, kv, batch, layer.scale, layer.window)
             x, normed = fused_ops.add_rms_norm(x, layer.o_proj(o.view(t, -1)), layer.post_norm,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from met.layers import kv_cache
 from met.layers.batch import ForwardBatch, SeqSpan
 from met.models.base import CausalLM
 from met.scheduler.scheduler import SchedulerOutput
@@ -22,26 +23,26 @@ class StepLogits:
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype,
+                       kv_cache_dtype: str = "auto") -> int:
     layers, kv_heads, head_dim = model.kv_layout
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    return 2 * layers * block_size * kv_heads * head_dim * itemsize
+    return layers * block_size * kv_cache.bytes_per_token(kv_heads, head_dim, dtype,
+                                                          kv_cache_dtype)
 
 
 class ModelRunner:
     """Runs the model over the flat batch of one step and returns the logits to sample."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.device = device
         layers, kv_heads, head_dim = model.kv_layout
         # Head-major, slot-flat: one index_select per request gathers its context per head.
-        shape = (kv_heads, num_blocks * block_size, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            kv_cache.allocate(kv_heads, num_blocks * block_size, head_dim, dtype, device,
+                              kv_cache_dtype)
             for _ in range(layers)
         ]
 

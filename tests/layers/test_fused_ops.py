@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from met import LLM, SamplingParams
-from met.layers import fused_ops
+from met.layers import fused_ops, kv_cache
+from met.layers.kv_cache import KVCache
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding
 
@@ -74,8 +75,8 @@ def test_rope_to_cache_is_bitwise_rope_and_writes_only_its_slots(t, head_dim):
     v_cache = _bf16(hkv, slots_total, head_dim, seed=6)
     k_before, v_before = k_cache.clone(), v_cache.clone()
 
-    q = fused_ops.rope_qkv_to_cache(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache,
-                                    slots, h, hkv)
+    q = fused_ops.rope_qkv_to_cache(qkv, positions, rotary.cos, rotary.sin,
+                                    KVCache(k_cache, v_cache), slots, h, hkv)
 
     qk = rotary.apply_(qkv[:, :(h + hkv) * head_dim].view(t, h + hkv, head_dim), positions)
     assert torch.equal(q, qk[:, :h])
@@ -86,6 +87,37 @@ def test_rope_to_cache_is_bitwise_rope_and_writes_only_its_slots(t, head_dim):
     untouched[slots] = False
     assert torch.equal(k_cache[:, untouched], k_before[:, untouched])
     assert torch.equal(v_cache[:, untouched], v_before[:, untouched])
+
+
+@pytest.mark.parametrize("head_dim", [64, 16, 20])
+@pytest.mark.parametrize("t", ROWS)
+def test_rope_to_int8_cache_quantizes_like_write_kv(t, head_dim):
+    """An int8 cache gets, bit for bit, what kv_cache.write_kv stores for the rotated bf16
+    keys and the values (same int8 rows, same scales), and nothing outside its slots."""
+    h, hkv, slots_total = 6, 2, 700
+    rotary = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0})
+    qkv = _bf16(t, (h + 2 * hkv) * head_dim, scale=3.0)
+    if t > 1:
+        qkv[1, (h + hkv) * head_dim:(h + hkv + 1) * head_dim] = 0  # an all-zero value row
+    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(3))
+    slots = torch.randperm(slots_total, generator=torch.Generator().manual_seed(4))[:t]
+    fused = kv_cache.allocate(hkv, slots_total, head_dim, torch.bfloat16, "cpu", "int8")
+    ref = kv_cache.allocate(hkv, slots_total, head_dim, torch.bfloat16, "cpu", "int8")
+
+    q = fused_ops.rope_qkv_to_cache(qkv, positions, rotary.cos, rotary.sin, fused, slots, h,
+                                    hkv)
+
+    qk = rotary.apply_(qkv[:, :(h + hkv) * head_dim].view(t, h + hkv, head_dim), positions)
+    assert torch.equal(q, qk[:, :h])
+    v = qkv[:, (h + hkv) * head_dim:].view(t, hkv, head_dim)
+    kv_cache.write_kv(ref, slots, qk[:, h:], v)
+    for got, want in zip(fused, ref, strict=True):
+        assert torch.equal(got, want)  # untouched slots stay zero in both
+    # Dequantized, every row is within half a step of what a bfloat16 cache would hold.
+    keys, values = kv_cache.gather_kv(fused, slots, torch.float32)
+    for deq, exact, scale in ((keys, qk[:, h:], fused.k_scale), (values, v, fused.v_scale)):
+        err = (deq - exact.transpose(0, 1).float()).abs()
+        assert (err <= scale[:, slots, None] * 0.5 + 1e-6).all()
 
 
 def test_each_row_is_computed_alone():
@@ -110,7 +142,7 @@ def test_rejects_float32_and_bad_slots():
     cache = torch.zeros(1, 8, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="slot 8 outside the cache"):
         fused_ops.rope_qkv_to_cache(_bf16(1, 48), torch.tensor([0]), rotary.cos, rotary.sin,
-                                    cache, cache.clone(), torch.tensor([8]), 1, 1)
+                                    KVCache(cache, cache.clone()), torch.tensor([8]), 1, 1)
 
 
 # ---- the model's fused path -------------------------------------------------------------

@@ -9,12 +9,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "met_simd.h"
 
 namespace {
+
+template <typename T>
+constexpr bool kIsInt8 = std::is_same_v<T, int8_t>;
 
 // 32 bf16 values as two float32 vectors without a widening shuffle: read as sixteen 32-bit
 // words, the even elements are the low halves (shift them up) and the odd elements the high
@@ -33,6 +37,18 @@ MET_INLINE void vload_bf16_pairs(const void* p, vfloat* even, vfloat* odd) {
 // Position of element d of a row in pair order.
 MET_INLINE int64_t pair_pos(int64_t d) {
   return (d & ~int64_t{31}) + (d & 1) * kLanes + ((d & 31) >> 1);
+}
+
+// The orders a row's elements are kept in as float32 (queries, accumulators): as stored,
+// bf16 pair order (above), or int8 "quad order": 64 int8 values read as sixteen 32-bit words
+// give four vectors by shifting, vector m holding elements 4w + m of the 64 (see row_vector).
+constexpr int kNaturalOrder = 0, kPairOrder = 1, kQuadOrder = 2;
+
+template <int kOrder>
+MET_INLINE int64_t element_pos(int64_t d) {
+  if constexpr (kOrder == kPairOrder) return pair_pos(d);
+  if constexpr (kOrder == kQuadOrder) return (d & ~int64_t{63}) + (d & 3) * kLanes + ((d & 63) >> 2);
+  return d;
 }
 
 // Lane j of the result is the sum of the lanes of a[j]: sixteen horizontal sums for fifteen
@@ -107,6 +123,11 @@ struct Problem {
   const int64_t* chunk_start;
   const int64_t* chunk_req;
   float* partials;
+  // int8 caches: each (kv head, slot) row's float32 scale, at k_scale[g * S + slot]; null
+  // for float caches. Only the register-blocked path reads int8 rows (in quad order).
+  const float* k_scale;
+  const float* v_scale;
+  int64_t S;
 };
 
 // Head dim rounded up to whole vectors; rows are zero-padded to it.
@@ -198,15 +219,15 @@ MET_INLINE void prefetch_rows(const T* base, int64_t s1, int64_t s2, const int64
 }
 
 // The G query heads of request i that share kv head g, as float32 rows of Dp (zero-padded,
-// in pair order when kPairs).
-template <typename T, bool kPairs>
+// in the cache rows' element order).
+template <typename T, int kOrder>
 MET_INLINE void load_q(const Problem& p, int64_t i, int64_t g, float* qf) {
   const int64_t D = p.D, Dp = padded_dim(D), G = p.H / p.Hkv;
   const T* q = static_cast<const T*>(p.q);
   for (int64_t h = 0; h < G; ++h) {
     const T* qh = q + i * p.q_s0 + (g * G + h) * p.q_s1;
     float* qfh = qf + h * Dp;
-    if constexpr (kPairs) {
+    if constexpr (kOrder == kPairOrder) {
       if (p.q_s2 == 1) {
         for (int64_t d = 0; d < Dp; d += 2 * kLanes) {
           vfloat even, odd;
@@ -218,7 +239,7 @@ MET_INLINE void load_q(const Problem& p, int64_t i, int64_t g, float* qf) {
       }
     }
     for (int64_t d = D; d < Dp; ++d) qfh[d] = 0.f;
-    for (int64_t d = 0; d < D; ++d) qfh[kPairs ? pair_pos(d) : d] = to_float(qh[d * p.q_s2]);
+    for (int64_t d = 0; d < D; ++d) qfh[element_pos<kOrder>(d)] = to_float(qh[d * p.q_s2]);
   }
 }
 
@@ -254,9 +275,9 @@ MET_INLINE void softmax_rows(float* s, int64_t G, int64_t L, int64_t Lp, float* 
   }
 }
 
-// Writes acc[h] * inv_sum[h] (rows of Dp floats, pair order when kPairs) to the output rows
+// Writes acc[h] * inv_sum[h] (rows of Dp floats in element order kOrder) to the output rows
 // of request i's heads in group g.
-template <typename T, bool kPairs>
+template <typename T, int kOrder>
 MET_INLINE void write_out(const Problem& p, int64_t i, int64_t g, const float* acc,
                           const float* inv_sum) {
   const int64_t D = p.D, Dp = padded_dim(D), G = p.H / p.Hkv;
@@ -265,7 +286,7 @@ MET_INLINE void write_out(const Problem& p, int64_t i, int64_t g, const float* a
     const float* ah = acc + h * Dp;
     T* oh = out + h * D;
     const float inv = inv_sum[h];
-    if constexpr (kPairs) {
+    if constexpr (kOrder == kPairOrder) {
       // Back from pair order: even elements in the low halves of the words, odd in the high.
       for (int64_t d = 0; d < D; d += 2 * kLanes) {
         const vuint even = bf16_bits(vload(ah + d) * inv);
@@ -274,24 +295,24 @@ MET_INLINE void write_out(const Problem& p, int64_t i, int64_t g, const float* a
         std::memcpy(oh + d, &words, sizeof(words));
       }
       continue;
-    } else if constexpr (std::is_same_v<T, float>) {
+    } else if constexpr (std::is_same_v<T, float> && kOrder == kNaturalOrder) {
       if (D == Dp) {
         for (int64_t d = 0; d < D; d += kLanes) vstore(oh + d, vload(ah + d) * inv);
         continue;
       }
     }
     // float -> bf16 rounds to nearest even, as Tensor.to() does.
-    for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(ah[d] * inv);
+    for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(ah[element_pos<kOrder>(d)] * inv);
   }
 }
 
 // The end of a task: its heads' outputs, or (a chunk of a split context) the unnormalized
 // sums, the max and the sum of exps for merge_one.
-template <typename T, bool kPairs>
+template <typename T, int kOrder>
 MET_INLINE void finish(const Problem& p, const Span& t, const float* acc, const float* inv_sum,
                        const float* row_max, const float* row_sum) {
   if (t.partial == nullptr) {
-    write_out<T, kPairs>(p, t.i, t.g, acc, inv_sum);
+    write_out<T, kOrder>(p, t.i, t.g, acc, inv_sum);
     return;
   }
   const int64_t Dp = padded_dim(p.D), G = p.H / p.Hkv;
@@ -305,7 +326,7 @@ MET_INLINE void finish(const Problem& p, const Span& t, const float* acc, const 
 
 // Request i's output for kv head g from the records of its chunks, combined in chunk order:
 // each chunk's sums scaled by exp(its max - the overall max).
-template <typename T, bool kPairs>
+template <typename T, int kOrder>
 MET_INLINE void merge_one(const Problem& p, int64_t i, int64_t g, float* acc) {
   const int64_t Dp = padded_dim(p.D), G = p.H / p.Hkv, rec_size = G * (Dp + 2);
   const int64_t c0 = p.chunk_start[i], nc = p.chunk_start[i + 1] - c0;
@@ -326,7 +347,7 @@ MET_INLINE void merge_one(const Problem& p, int64_t i, int64_t g, float* acc) {
     }
     inv_sum[h] = 1.f / total;
   }
-  write_out<T, kPairs>(p, i, g, acc, inv_sum);
+  write_out<T, kOrder>(p, i, g, acc, inv_sum);
 }
 
 // Attention of the G = H / Hkv query heads of request i that share kv head g, for any layout:
@@ -451,6 +472,14 @@ template <typename T, int kOdd>
 MET_INLINE vfloat row_vector(const T* row, int64_t c) {
   if constexpr (std::is_same_v<T, float>) {
     return vload(row + c * kLanes);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    // Quad order: the 64 values of block c / 4 as sixteen words, byte c % 4 of each moved to
+    // the top and shifted back down with its sign (GCC 12 widens a vector of int8 lane by
+    // lane, so the sign extension is spelled as shifts).
+    vint w;
+    std::memcpy(&w, row + (c / 4) * 64, sizeof(w));
+    const vint x = (w << (24 - 8 * static_cast<int>(c % 4))) >> 24;
+    return __builtin_convertvector(x, vfloat);
   } else {
     vuint w;
     std::memcpy(&w, row + (c - kOdd) * kLanes, sizeof(w));
@@ -499,11 +528,18 @@ MET_INLINE void dot_step(const T* const* rows, const float* qf, int64_t Dp, int6
 
 // Scores of keys t0..t0+7 for GB heads (rows of qf, Dp apart) into s[h * Lp + t0 + j]. Keys
 // past the context (n < 8) repeat its last row; their scores are overwritten by the softmax.
+// int8 rows: each key's dot product is multiplied by scale · its row scale (row_scale, the
+// kv head's scales by slot) instead of scale.
 template <typename T, int GB>
-MET_INLINE void score_block(const T* kg, int64_t s1, const int64_t* slots, int64_t n,
-                            const float* qf, int64_t Dp, float scale, float* s, int64_t Lp) {
+MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
+                            const int64_t* slots, int64_t n, const float* qf, int64_t Dp,
+                            float scale, float* s, int64_t Lp) {
   const T* rows[kKeyBlock];
   for (int j = 0; j < kKeyBlock; ++j) rows[j] = kg + slots[j < n ? j : n - 1] * s1;
+  vfloat key_scale = MET_SPLAT(scale);
+  if constexpr (kIsInt8<T>) {
+    for (int j = 0; j < kKeyBlock; ++j) key_scale[j] = scale * row_scale[slots[j < n ? j : n - 1]];
+  }
   vfloat dots[GB][kKeyBlock] = {};
   // The even and odd vectors of a bf16 block come from one load each; float32 rows are read
   // in order. Either way every key sees the same sequence of products.
@@ -513,7 +549,7 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const int64_t* slots, int64
   }
 #pragma GCC unroll 4
   for (int h = 0; h < GB; ++h) {
-    const vfloat r = hsum8(dots[h]) * scale;
+    const vfloat r = hsum8(dots[h]) * key_scale;
     std::memcpy(s + h * Lp, &r, kKeyBlock * sizeof(float));
   }
 }
@@ -552,8 +588,9 @@ MET_INLINE void value_pass(const T* vg, int64_t s1, const int64_t* slots, int64_
 }
 
 template <typename T, int GB>
-MET_INLINE void scores_fast(const Problem& p, const T* kg, const int64_t* slots, int64_t L,
-                            const float* qf, int64_t Dp, float* s, int64_t Lp) {
+MET_INLINE void scores_fast(const Problem& p, const T* kg, const float* row_scale,
+                            const int64_t* slots, int64_t L, const float* qf, int64_t Dp,
+                            float* s, int64_t Lp) {
   const int64_t row_bytes = p.D * static_cast<int64_t>(sizeof(T));
   for (int64_t t0 = 0; t0 < L; t0 += kKeyBlock) {
     const int64_t n = std::min<int64_t>(kKeyBlock, L - t0);
@@ -564,7 +601,7 @@ MET_INLINE void scores_fast(const Problem& p, const T* kg, const int64_t* slots,
       const char* row = reinterpret_cast<const char*>(kg + slots[t0 + kKeyBlock + j] * p.k_s1);
       for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
     }
-    score_block<T, GB>(kg, p.k_s1, slots + t0, n, qf, Dp, p.scale, s + t0, Lp);
+    score_block<T, GB>(kg, p.k_s1, row_scale, slots + t0, n, qf, Dp, p.scale, s + t0, Lp);
   }
 }
 
@@ -579,33 +616,46 @@ MET_INLINE void values_fast(const Problem& p, const T* vg, const int64_t* slots,
 }
 
 // attend_one for contiguous rows with D % 32 == 0: the same maths on the same inputs (in
-// another, equally fixed, order), no tile.
-template <typename T>
+// another, equally fixed, order), no tile. Q is the queries' (and output's) type, T the
+// cache's: the same, or int8 rows with float32 scales.
+template <typename Q, typename T>
 MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, float* ws) {
-  constexpr bool kPairs = !std::is_same_v<T, float>;
+  constexpr bool kInt8 = kIsInt8<T>;
+  constexpr int kOrder = std::is_same_v<T, c10::BFloat16> ? kPairOrder
+                         : std::is_same_v<T, int8_t>     ? kQuadOrder
+                                                         : kNaturalOrder;
   const int64_t D = p.D, Dp = D, G = p.H / p.Hkv;
   const int64_t i = t.i, g = t.g, L = t.L;
   const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;
   const int64_t* slots = t.slots;
   const T* kg = static_cast<const T*>(p.k) + g * p.k_s0;
   const T* vg = static_cast<const T*>(p.v) + g * p.v_s0;
+  const float* k_scale = kInt8 ? p.k_scale + g * p.S : nullptr;
   float* qf = ws;            // [G, Dp]
   float* acc = qf + G * Dp;  // [G, Dp]
   float* s = acc + G * Dp;   // [G, Lp]: scores, then probabilities
 
-  load_q<T, kPairs>(p, i, g, qf);
+  load_q<Q, kOrder>(p, i, g, qf);
   for (int64_t h0 = 0; h0 < G; h0 += kHeadBlock) {
     const float* qh = qf + h0 * Dp;
     float* sh = s + h0 * Lp;
     switch (std::min<int64_t>(kHeadBlock, G - h0)) {
-      case 3: scores_fast<T, 3>(p, kg, slots, L, qh, Dp, sh, Lp); break;
-      case 2: scores_fast<T, 2>(p, kg, slots, L, qh, Dp, sh, Lp); break;
-      default: scores_fast<T, 1>(p, kg, slots, L, qh, Dp, sh, Lp); break;
+      case 3: scores_fast<T, 3>(p, kg, k_scale, slots, L, qh, Dp, sh, Lp); break;
+      case 2: scores_fast<T, 2>(p, kg, k_scale, slots, L, qh, Dp, sh, Lp); break;
+      default: scores_fast<T, 1>(p, kg, k_scale, slots, L, qh, Dp, sh, Lp); break;
     }
   }
   prefetch_rows(vg, p.v_s1, p.v_s2, slots, std::min<int64_t>(kKeyBlock, L), D);
   float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
   softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
+  if constexpr (kInt8) {
+    // Each value row's scale joins its weight: sum_t w_t (v_scale_t q_t) = sum_t (w_t v_scale_t) q_t.
+    const float* v_scale = p.v_scale + g * p.S;
+    for (int64_t t = 0; t < L; ++t) {
+      const float vs = v_scale[slots[t]];
+      for (int64_t h = 0; h < G; ++h) s[h * Lp + t] *= vs;
+    }
+  }
   for (int64_t h0 = 0; h0 < G; h0 += kHeadBlock) {
     const float* wh = s + h0 * Lp;
     float* ah = acc + h0 * Dp;
@@ -619,7 +669,7 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
     const T* nk = static_cast<const T*>(p.k) + next->g * p.k_s0;
     prefetch_rows(nk, p.k_s1, p.k_s2, next->slots, std::min<int64_t>(kKeyBlock, next->L), D);
   }
-  finish<T, kPairs>(p, t, acc, inv_sum, row_max, row_sum);
+  finish<Q, kOrder>(p, t, acc, inv_sum, row_max, row_sum);
 }
 
 MET_CLONES void attend_range_f32(const Problem& p, int64_t begin, int64_t end, float* ws) {
@@ -628,8 +678,10 @@ MET_CLONES void attend_range_f32(const Problem& p, int64_t begin, int64_t end, f
     const Span t = next;
     if (task + 1 < end) next = task_span(p, task + 1);
     const Span* ahead = task + 1 < end ? &next : nullptr;
-    if (p.fast) {
-      attend_fast<float>(p, t, ahead, ws);
+    if (p.k_scale != nullptr) {
+      attend_fast<float, int8_t>(p, t, ahead, ws);
+    } else if (p.fast) {
+      attend_fast<float, float>(p, t, ahead, ws);
     } else {
       attend_one<float, false>(p, t, ahead, ws);
     }
@@ -642,8 +694,10 @@ MET_CLONES void attend_range_bf16(const Problem& p, int64_t begin, int64_t end, 
     const Span t = next;
     if (task + 1 < end) next = task_span(p, task + 1);
     const Span* ahead = task + 1 < end ? &next : nullptr;
-    if (p.fast) {
-      attend_fast<c10::BFloat16>(p, t, ahead, ws);
+    if (p.k_scale != nullptr) {
+      attend_fast<c10::BFloat16, int8_t>(p, t, ahead, ws);
+    } else if (p.fast) {
+      attend_fast<c10::BFloat16, c10::BFloat16>(p, t, ahead, ws);
     } else if (p.pairs) {
       attend_one<c10::BFloat16, true>(p, t, ahead, ws);
     } else {
@@ -658,27 +712,34 @@ MET_CLONES void merge_range(const Problem& p, bool is_f32, int64_t begin, int64_
   for (int64_t task = begin; task < end; ++task) {
     const int64_t i = task / p.Hkv, g = task % p.Hkv;
     if (p.chunk_start[i + 1] - p.chunk_start[i] < 2) continue;
-    if (is_f32) {
-      merge_one<float, false>(p, i, g, ws);
+    if (p.k_scale != nullptr) {
+      is_f32 ? merge_one<float, kQuadOrder>(p, i, g, ws)
+             : merge_one<c10::BFloat16, kQuadOrder>(p, i, g, ws);
+    } else if (is_f32) {
+      merge_one<float, kNaturalOrder>(p, i, g, ws);
     } else if (p.pairs) {
-      merge_one<c10::BFloat16, true>(p, i, g, ws);
+      merge_one<c10::BFloat16, kPairOrder>(p, i, g, ws);
     } else {
-      merge_one<c10::BFloat16, false>(p, i, g, ws);
+      merge_one<c10::BFloat16, kNaturalOrder>(p, i, g, ws);
     }
   }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots_in,
-                            const at::Tensor& offsets_in, double scale) {
+                            const at::Tensor& offsets_in, double scale,
+                            const std::optional<at::Tensor>& k_scale,
+                            const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "decode_attention: q must be [N, H, D] and the caches [Hkv, S, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   slots_in.device().is_cpu() && offsets_in.device().is_cpu(),
               "decode_attention: CPU tensors only");
-  TORCH_CHECK(
-      q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-      "decode_attention: q, k_cache and v_cache must share one dtype");
+  const bool int8 = k_scale.has_value();
+  TORCH_CHECK(int8 == v_scale.has_value(), "decode_attention: pass both scales or neither");
+  const auto cache_type = int8 ? at::kChar : q.scalar_type();
+  TORCH_CHECK(k_cache.scalar_type() == cache_type && v_cache.scalar_type() == cache_type,
+              "decode_attention: the caches must have q's dtype (or be int8 with scales)");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(),
@@ -712,9 +773,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
   at::Tensor out = at::empty({N, H, D}, q.options());
   if (N == 0 || H == 0) return out;
-  const bool pairs = q.scalar_type() == at::kBFloat16 && D % 32 == 0 &&
+  const bool pairs = !int8 && q.scalar_type() == at::kBFloat16 && D % 32 == 0 &&
                      k_cache.stride(2) == 1 && v_cache.stride(2) == 1;
   const bool fast = D % 32 == 0 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1;
+  if (int8) {
+    TORCH_CHECK(fast && D % 64 == 0, "decode_attention: int8 caches need head_dim % 64 == 0 "
+                                     "and rows of contiguous values");
+    for (const at::Tensor* sc : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 2 &&
+                      sc->size(0) == Hkv && sc->size(1) == S,
+                  "decode_attention: scales must be contiguous float32 [Hkv, S]");
+    }
+  }
   // Chunks of kSplit keys: one for most requests, several for long ones.
   std::vector<int64_t> chunk_start(N + 1, 0), chunk_req;
   for (int64_t i = 0; i < N; ++i) {
@@ -730,7 +800,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                   v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                   out.data_ptr(),     sl,                off,               H,
                   Hkv,                D,                 static_cast<float>(scale), pairs, fast,
-                  chunk_start.data(), chunk_req.data(),  partials.data()};
+                  chunk_start.data(), chunk_req.data(),  partials.data(),
+                  int8 ? k_scale->data_ptr<float>() : nullptr,
+                  int8 ? v_scale->data_ptr<float>() : nullptr, S};
   const size_t ws_size = workspace_floats(G, padded_dim(D), std::min(max_len, kSplit));
   const bool is_f32 = q.scalar_type() == at::kFloat;
 
@@ -765,6 +837,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
-      "Tensor offsets, float scale) -> Tensor",
+      "Tensor offsets, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
       &decode_attention);
 }

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 
 #include "met_simd.h"
@@ -221,12 +222,57 @@ struct RopeProblem {
   const int64_t* positions;
   const float* cos;  // [P, D] float32 tables (rounded to bfloat16 at use, as ATen's .to())
   const float* sin;
-  uint16_t* k_cache;  // [Hkv, S, D]
-  uint16_t* v_cache;
+  void* k_cache;  // [Hkv, S, D]: bfloat16, or int8 when the scales below are set
+  void* v_cache;
+  float* k_scale;  // [Hkv, S] float32 (int8 caches), else null
+  float* v_scale;
   const int64_t* slots;
   uint16_t* q_out;  // [T, H, D]
   int64_t H, Hkv, D, S;
 };
+
+// Largest head_dim the int8 cache write stages on the stack.
+constexpr int64_t kMaxHeadDim = 512;
+
+typedef int8_t vchar __attribute__((vector_size(16)));
+
+MET_INLINE float bf16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// One bfloat16 row of D values into int8 with its scale, as met.layers.kv_cache.quantize_rows
+// does it: scale = max|x| / 127, q = round-half-even(x / scale), all in float32 (0 for an
+// all-zero row). A division, not a multiply by 127 / max|x|: GCC contracts a multiply and
+// the rounding add below into one FMA, which would round some ties differently from torch.
+MET_INLINE void quantize_row_q8(const uint16_t* x, int64_t D, int8_t* q, float* scale) {
+  vfloat vmax = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const vfloat v = load_bf16(x + d);
+    const vfloat a = v < 0.f ? -v : v;
+    vmax = a > vmax ? a : vmax;
+  }
+  float absmax = 0.f;
+  for (int l = 0; l < kLanes; ++l) absmax = std::max(absmax, vmax[l]);
+  for (int64_t e = d; e < D; ++e) absmax = std::max(absmax, std::fabs(bf16_to_float(x[e])));
+  const float s = absmax / 127.0f;
+  *scale = s;
+  if (s == 0.f) {
+    std::memset(q, 0, D);
+    return;
+  }
+  for (d = 0; d + kLanes <= D; d += kLanes) {
+    // Adding and taking off 1.5 * 2^23 rounds |y| <= 127 to the nearest integer, ties to even.
+    const vfloat y = load_bf16(x + d) / s;
+    const vfloat r = (y + 12582912.0f) - 12582912.0f;
+    const vchar b = __builtin_convertvector(__builtin_convertvector(r, vint), vchar);
+    std::memcpy(q + d, &b, sizeof(b));
+  }
+  for (; d < D; ++d) q[d] = static_cast<int8_t>(std::nearbyint(bf16_to_float(x[d]) / s));
+}
 
 // One head: out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), rotate_half(x) = (-x2, x1).
 MET_INLINE void rope_head(const uint16_t* x, const float* c, const float* s, uint16_t* out,
@@ -255,9 +301,17 @@ MET_CLONES void rope_rows(const RopeProblem& p, int64_t r0, int64_t r1) {
     }
     const int64_t slot = p.slots[t];
     for (int64_t h = 0; h < p.Hkv; ++h) {
-      rope_head(row + (p.H + h) * D, c, s, p.k_cache + (h * p.S + slot) * D, D);
-      std::memcpy(p.v_cache + (h * p.S + slot) * D, row + (p.H + p.Hkv + h) * D,
-                  D * sizeof(uint16_t));
+      const int64_t at = h * p.S + slot;
+      const uint16_t* v = row + (p.H + p.Hkv + h) * D;
+      if (p.k_scale == nullptr) {
+        rope_head(row + (p.H + h) * D, c, s, static_cast<uint16_t*>(p.k_cache) + at * D, D);
+        std::memcpy(static_cast<uint16_t*>(p.v_cache) + at * D, v, D * sizeof(uint16_t));
+        continue;
+      }
+      uint16_t k[kMaxHeadDim];  // the rotated key as a bfloat16 cache would hold it
+      rope_head(row + (p.H + h) * D, c, s, k, D);
+      quantize_row_q8(k, D, static_cast<int8_t*>(p.k_cache) + at * D, p.k_scale + at);
+      quantize_row_q8(v, D, static_cast<int8_t*>(p.v_cache) + at * D, p.v_scale + at);
     }
   }
 }
@@ -265,15 +319,28 @@ MET_CLONES void rope_rows(const RopeProblem& p, int64_t r0, int64_t r1) {
 at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                              at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
-                             int64_t num_kv_heads) {
+                             int64_t num_kv_heads, const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
   check_rows(qkv, "rope_qkv_to_cache", "qkv");
   const int64_t T = qkv.size(0);
+  const bool q8 = k_scale.has_value();
+  const auto cache_type = q8 ? at::kChar : at::kBFloat16;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "rope_qkv_to_cache: caches must be contiguous bfloat16 [Hkv, S, D] tensors");
+                  k_cache.scalar_type() == cache_type && v_cache.scalar_type() == cache_type &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "rope_qkv_to_cache: caches must be contiguous bfloat16 (or int8 with scales) "
+              "[Hkv, S, D] tensors");
   const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(q8 == v_scale.has_value(), "rope_qkv_to_cache: pass both scales or neither");
+  if (q8) {
+    for (const at::Tensor* sc : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 2 &&
+                      sc->size(0) == Hkv && sc->size(1) == S,
+                  "rope_qkv_to_cache: scales must be contiguous float32 [Hkv, S]");
+    }
+    TORCH_CHECK(D <= kMaxHeadDim, "rope_qkv_to_cache: an int8 cache takes head_dim <= ",
+                kMaxHeadDim);
+  }
   TORCH_CHECK(Hkv == num_kv_heads && num_heads > 0 && D % 2 == 0 &&
                   qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
               "rope_qkv_to_cache: qkv width, heads and (even) head_dim disagree");
@@ -298,8 +365,10 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
                       pos,
                       cos.data_ptr<float>(),
                       sin.data_ptr<float>(),
-                      static_cast<uint16_t*>(k_cache.data_ptr()),
-                      static_cast<uint16_t*>(v_cache.data_ptr()),
+                      k_cache.data_ptr(),
+                      v_cache.data_ptr(),
+                      q8 ? k_scale->data_ptr<float>() : nullptr,
+                      q8 ? v_scale->data_ptr<float>() : nullptr,
                       sl,
                       static_cast<uint16_t*>(q.data_ptr()),
                       num_heads,
@@ -370,6 +439,6 @@ TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
   m.def(
       "rope_qkv_to_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_heads, "
-      "int num_kv_heads) -> Tensor",
+      "int num_kv_heads, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor",
       &rope_qkv_to_cache);
 }

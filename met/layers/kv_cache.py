@@ -1,0 +1,98 @@
+"""One layer's paged KV cache, in the model's dtype or in int8 with a scale per row.
+
+A cache is ``[num_kv_heads, num_slots, head_dim]`` keys and values, a slot being
+``block * block_size + offset``. With ``--kv-cache-dtype int8`` each (head, slot) row of
+head_dim values is stored as int8 with one float32 scale (symmetric: scale max|x| / 127,
+values x / scale rounded to nearest even): head_dim + 4 bytes per row instead of 2 · head_dim
+in bfloat16, so the same memory holds ~1.9x the tokens at head_dim 64. Each row is quantized
+alone, from the value a bfloat16 cache would have stored, so a token's cached row never
+depends on its batch. Speed: on the 2-core test machine decode attention is not bound by
+reading the cache, and int8 rows (widened in registers) cost about what they save
+(docs/benchmarks.md); the gain is capacity.
+
+Writers: `write_kv` (any device, any dtype) and the fused CPU op `rope_qkv_to_cache`, which
+quantize the same way bit for bit. Readers: the native decode kernel (int8 rows widened in
+registers, the scales folded into the scores and the value weights) and `gather_kv`, which
+dequantizes a request's rows for the reference SDPA path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# What --kv-cache-dtype / EngineConfig.kv_cache_dtype accept: "auto" stores the cache in the
+# model's dtype.
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+class KVCache(NamedTuple):
+    """A layer's keys and values [Hkv, S, D]; int8 caches carry float32 scales [Hkv, S]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+def allocate(num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device | str, kv_cache_dtype: str = "auto") -> KVCache:
+    """A zeroed cache of num_slots rows per kv head (int8 + scales for "int8")."""
+    shape = (num_kv_heads, num_slots, head_dim)
+    if kv_cache_dtype == "int8":
+        return KVCache(
+            torch.zeros(shape, dtype=torch.int8, device=device),
+            torch.zeros(shape, dtype=torch.int8, device=device),
+            torch.zeros(shape[:2], dtype=torch.float32, device=device),
+            torch.zeros(shape[:2], dtype=torch.float32, device=device),
+        )
+    return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))
+
+
+def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> int:
+    """Bytes one token's keys and values take in one layer's cache."""
+    if kv_cache_dtype == "int8":
+        return 2 * num_kv_heads * (head_dim + 4)
+    return 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [..., D] (any float dtype) -> int8 [..., D] and float32 scales [...]: the scale
+    is max|x| / 127, the value round-half-even(x / scale) (0 for an all-zero row), all in
+    float32. The fused CPU op computes exactly this (the same float32 operations)."""
+    xf = x.float()
+    scale = torch.div(xf.abs().amax(dim=-1), torch.tensor(127.0))
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale.unsqueeze(-1) > 0, xf / safe.unsqueeze(-1), torch.zeros_like(xf))
+    return q.round().clamp(-127, 127).to(torch.int8), scale
+
+
+def write_kv(kv: KVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the step's keys and values k, v [T, Hkv, D] in their slots. An int8 cache
+    quantizes the rows as stored in the model's dtype (what a float cache would hold)."""
+    if not kv.quantized:
+        kv.k.index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv.k.dtype))
+        kv.v.index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv.v.dtype))
+        return
+    for rows, cache, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
+        q, s = quantize_rows(rows.transpose(0, 1))
+        cache.index_copy_(1, slot_mapping, q)
+        scales.index_copy_(1, slot_mapping, s)
+
+
+def gather_kv(kv: KVCache, slots: torch.Tensor, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [Hkv, len(slots), D] of the given slots, in ``dtype`` (dequantized
+    int8 rows are q · scale in float32, then rounded once to ``dtype``)."""
+    k, v = kv.k.index_select(1, slots), kv.v.index_select(1, slots)
+    if not kv.quantized:
+        return k, v
+    ks, vs = kv.k_scale.index_select(1, slots), kv.v_scale.index_select(1, slots)
+    return ((k.float() * ks.unsqueeze(-1)).to(dtype), (v.float() * vs.unsqueeze(-1)).to(dtype))
