@@ -9,7 +9,9 @@
 # vLLM loads a bf16 HF directory converted from the same GGUF (done here if missing).
 #
 # Settings (environment): CONCURRENCY (1,4,16,32,64) ISL (110) OSL (128) REPS (1) WARMUP (2)
-# ENGINES ("met llama-server vllm"; also met-fp32, met-int8, met-int4, met-w8a8, met-w4a8) MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
+# ENGINES ("met llama-server vllm"; also met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, and
+# any met engine with -kv8 appended for --kv-cache-dtype int8, e.g. met-w4a8-kv8)
+# MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
 # OUT (.benchmarks/peers/<date>-<sha>) PEERS (~/.cache/met-peers) PEER_SCRIPTS (../shared/peers)
 # Smoke run: CONCURRENCY=1 REPS=1 OSL=8 WARMUP=0 bash benchmarks/compare_peers.sh
 set -euo pipefail
@@ -57,15 +59,18 @@ wait_healthy() {  # url, seconds
 start() {  # engine port: starts it in the background, sets server_pid
   local engine=$1 port=$2
   log=$OUT/$engine.server.log
-  case $engine in
+  local base=${engine%-kv8} kv=(--kv-cache-dtype auto)
+  [ "$base" != "$engine" ] && kv=(--kv-cache-dtype int8)
+  case $base in
     met|met-fp32|met-int8|met-int4|met-w8a8|met-w4a8)
       # plain $MET_DTYPE: what auto runs for a 64-sequence server
       local dtype=$MET_DTYPE quant=(--quantization none)
-      [ "$engine" = met-fp32 ] && dtype=float32
-      case $engine in met-int8|met-int4|met-w8a8|met-w4a8) quant=(--quantization "${engine#met-}") ;; esac
-      echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
-      "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" --max-model-len 2048 \
-        --max-num-seqs 64 --served-model-name peer --port "$port" >"$log" 2>&1 &
+      [ "$base" = met-fp32 ] && dtype=float32
+      case $base in met-int8|met-int4|met-w8a8|met-w4a8) quant=(--quantization "${base#met-}") ;; esac
+      echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} ${kv[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
+      "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" "${kv[@]}" \
+        --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port "$port" \
+        >"$log" 2>&1 &
       ;;
     llama-server)
       [ -x "$PEERS/llama-server/llama-server" ] || { echo "build it: bash $PEER_SCRIPTS/llama-server.sh" >&2; return 1; }
