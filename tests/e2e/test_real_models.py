@@ -78,7 +78,7 @@ def test_embedded_smollm2_bfloat16_stays_close_to_float32():
     assert sum(gaps) / len(gaps) < 0.25
 
 
-def test_embedded_smollm2_auto_path_and_its_distance_from_float32():
+def test_embedded_smollm2_auto_path_and_its_distance_from_float32(float32_greedy):
     """dtype/quantization auto on this Q4_1 GGUF for a single-user server (max_num_seqs 1):
     bfloat16 + w4a8 (the file's own 4-bit integers, int8 activations) where the CPU has
     bfloat16 matrix units and AVX512-VNNI (int4 weight-only without VNNI), float32 and none
@@ -94,21 +94,51 @@ def test_embedded_smollm2_auto_path_and_its_distance_from_float32():
     assert (auto.engine.dtype, auto.engine.quantization) == want
     default = LLM(None, max_model_len=256)
     assert default.engine.quantization == (quant if quant == "w4a8" and want[1] else None)
+    gaps = _gaps_from_float32(auto, float32_greedy)
+    assert sum(gaps) / len(gaps) < 0.25, gaps
+    assert auto.kv_stats().num_blocks_in_use == 0
+
+
+def test_embedded_smollm2_int8_kv_cache_quality_and_invariance(float32_greedy):
+    """--kv-cache-dtype int8 on the default path (head_dim 64: the native kernel reads the
+    int8 rows): scored on float32's greedy continuations it stays within 0.25 nats on
+    average (w4a8 + int8 KV: mean 0.06 on benchmarks/quality.py's text, docs/benchmarks.md),
+    and a request's tokens are the same alone and batched (chunking: the tiny-model test in
+    tests/engine/test_kv_cache_int8.py)."""
+    llm = LLM(None, max_model_len=256, kv_cache_dtype="int8")
+    assert llm.engine.runner.kv_caches[0].k.dtype == torch.int8
+    gaps = _gaps_from_float32(llm, float32_greedy)
+    assert sum(gaps) / len(gaps) < 0.25, gaps
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    texts = [*PROMPTS, " ".join(PROMPTS * 4)]
+    alone = [llm.generate([t], greedy)[0].outputs[0].token_ids for t in texts]
+    assert [o.outputs[0].token_ids for o in llm.generate(texts, greedy)] == alone
+    assert llm.kv_stats().num_blocks_in_use == 0
+
+
+@pytest.fixture(scope="module")
+def float32_greedy():
+    """float32's greedy 16-token continuations of PROMPTS, with their logprobs."""
     ref = LLM(None, dtype="float32", quantization="none", max_model_len=256)
     assert (ref.engine.dtype, ref.engine.quantization) == (torch.float32, None)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    return ref.generate(PROMPTS, params)
+
+
+def _gaps_from_float32(llm: LLM, float32_greedy) -> list[float]:
+    """|Δ logprob| of float32's greedy tokens under ``llm`` (teacher-forced); each must stay
+    in llm's top 20."""
     gaps = []
-    for out in ref.generate(PROMPTS, params):
+    for out in float32_greedy:
         ids = out.outputs[0].token_ids
-        forced = auto.generate({"prompt_token_ids": out.prompt_token_ids + ids},
-                               SamplingParams(max_tokens=1, prompt_logprobs=20))[0]
+        forced = llm.generate({"prompt_token_ids": out.prompt_token_ids + ids},
+                              SamplingParams(max_tokens=1, prompt_logprobs=20))[0]
         for i, tok in enumerate(ids):
             lp = forced.prompt_logprobs[len(out.prompt_token_ids) + i]
             rank = sorted(lp.values(), reverse=True).index(lp[tok])  # lp: tok + the top 20
-            assert rank < 20, "float32's greedy token fell out of auto's top 20"
+            assert rank < 20, "float32's greedy token fell out of the top 20"
             gaps.append(abs(lp[tok] - out.outputs[0].logprobs[i][tok]))
-    assert sum(gaps) / len(gaps) < 0.25, gaps
-    assert auto.kv_stats().num_blocks_in_use == 0
+    return gaps
 
 
 def test_gemma3_270m_gguf_greedy_matches_transformers():
@@ -124,36 +154,3 @@ def test_gemma3_270m_gguf_greedy_matches_transformers():
     for text, out in zip(PROMPTS, ours, strict=True):
         assert out.prompt_token_ids == llm.tokenizer(text).input_ids
         assert out.outputs[0].token_ids == _hf_greedy(hf, llm.tokenizer, text, 32), text
-
-
-def test_embedded_smollm2_int8_kv_cache_quality_and_invariance():
-    """--kv-cache-dtype int8 on the default path (head_dim 64: the native kernel reads the
-    int8 rows): scored on float32's greedy continuations it stays within 0.25 nats on
-    average (measured with w4a8: mean 0.06 on benchmarks/quality.py's text, see
-    docs/benchmarks.md), and a request's tokens are the same alone, batched and with
-    16-token prefill chunks."""
-    llm = LLM(None, max_model_len=256, kv_cache_dtype="int8")
-    assert llm.engine.runner.kv_caches[0].k.dtype == torch.int8
-    ref = LLM(None, dtype="float32", quantization="none", max_model_len=256)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
-    gaps = []
-    for out in ref.generate(PROMPTS, params):
-        ids = out.outputs[0].token_ids
-        forced = llm.generate({"prompt_token_ids": out.prompt_token_ids + ids},
-                              SamplingParams(max_tokens=1, prompt_logprobs=20))[0]
-        for i, tok in enumerate(ids):
-            lp = forced.prompt_logprobs[len(out.prompt_token_ids) + i]
-            assert sorted(lp.values(), reverse=True).index(lp[tok]) < 20
-            gaps.append(abs(lp[tok] - out.outputs[0].logprobs[i][tok]))
-    assert sum(gaps) / len(gaps) < 0.25, gaps
-
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    long_prompt = " ".join(PROMPTS * 4)  # ~50 tokens: several 16-token chunks
-    texts = [*PROMPTS, long_prompt]
-    alone = [llm.generate([t], greedy)[0].outputs[0].token_ids for t in texts]
-    batched = [o.outputs[0].token_ids for o in llm.generate(texts, greedy)]
-    chunked_llm = LLM(None, max_model_len=256, kv_cache_dtype="int8",
-                      max_num_batched_tokens=16, enable_prefix_caching=False)
-    chunked = [o.outputs[0].token_ids for o in chunked_llm.generate(texts, greedy)]
-    assert batched == alone and chunked == alone
-    assert llm.kv_stats().num_blocks_in_use == 0
