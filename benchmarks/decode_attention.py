@@ -80,14 +80,13 @@ def time_per_call(fn, flush: torch.Tensor, iters: int, repeats: int, clock) -> f
 
 def _layer_cache(like, seed: int):
     """A cache shaped like ``like`` (float or int8) with its own random rows."""
-    from met.layers.kv_cache import KVCache, quantize_rows
+    from met.layers.kv_cache import KVCache, quantize_kv
 
     g = torch.Generator().manual_seed(1000 + seed)
     k = torch.randn(like.k.shape, generator=g)
     v = torch.randn(like.v.shape, generator=g)
     if like.quantized:
-        (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
-        return KVCache(kq, vq, ks, vs)
+        return quantize_kv(k, v)
     return KVCache(k.to(like.k.dtype), v.to(like.v.dtype))
 
 
@@ -132,7 +131,7 @@ def main() -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="met-ext-")
 
     from met.layers import cpu_decode_attention as cda
-    from met.layers.kv_cache import KVCache, gather_kv, quantize_rows
+    from met.layers.kv_cache import KVCache, gather_kv, quantize_kv
 
     q, k, v, slots, offsets = make_problem(args)
     scale = args.head_dim**-0.5
@@ -144,8 +143,7 @@ def main() -> None:
 
     kv = KVCache(k, v)
     if args.kv_cache_dtype == "int8":
-        (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
-        kv = KVCache(kq, vq, ks, vs)
+        kv = quantize_kv(k, v)
         k, v = gather_kv(kv, torch.arange(k.shape[1]), torch.float32)
     kernel = lambda: cda.decode_attention(q, kv, slots, offsets, scale)  # noqa: E731
     loop = lambda: cda.decode_attention_reference(q, kv, slots, offsets, scale)  # noqa: E731

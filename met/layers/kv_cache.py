@@ -6,9 +6,9 @@ head_dim values is stored as int8 with one float32 scale (symmetric: scale max|x
 values x / scale rounded to nearest even): head_dim + 4 bytes per row instead of 2 · head_dim
 in bfloat16, so the same memory holds ~1.9x the tokens at head_dim 64. Each row is quantized
 alone, from the value a bfloat16 cache would have stored, so a token's cached row never
-depends on its batch. Speed: on the 2-core test machine decode attention is not bound by
-reading the cache, and int8 rows (widened in registers) cost about what they save
-(docs/benchmarks.md); the gain is capacity.
+depends on its batch. Speed on the 2-core test machine (docs/benchmarks.md): no gain at one
+stream (widening int8 costs what the smaller rows save while they sit in cache), 5–8 % at
+16–64 streams, where a step's caches are read from memory.
 
 Writers: `write_kv` (any device, any dtype) and the fused CPU op `rope_qkv_to_cache`, which
 quantize the same way bit for bit. Readers: the native decode kernel (int8 rows widened in
@@ -21,10 +21,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-
-# What --kv-cache-dtype / EngineConfig.kv_cache_dtype accept: "auto" stores the cache in the
-# model's dtype.
-KV_CACHE_DTYPES = ("auto", "int8")
 
 
 class KVCache(NamedTuple):
@@ -60,7 +56,7 @@ def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     """Bytes one token's keys and values take in one layer's cache."""
     if kv_cache_dtype == "int8":
         return 2 * num_kv_heads * (head_dim + 4)
-    return 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return 2 * num_kv_heads * head_dim * dtype.itemsize
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +68,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale.unsqueeze(-1) > 0, xf / safe.unsqueeze(-1), torch.zeros_like(xf))
     return q.round().clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor) -> KVCache:
+    """An int8 cache holding the rows of k, v [Hkv, S, D] (quantize_rows of each)."""
+    (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
+    return KVCache(kq, vq, ks, vs)
 
 
 def write_kv(kv: KVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from met.layers.cpu_decode_attention import (
     decode_attention_available,
     decode_attention_reference,
 )
-from met.layers.kv_cache import KVCache, gather_kv, quantize_rows
+from met.layers.kv_cache import KVCache, gather_kv, quantize_kv
 
 
 def _problem(
@@ -174,8 +174,7 @@ def test_long_contexts_split_into_chunks_still_match_and_stay_invariant(dtype, l
 
 def _int8(k: torch.Tensor, v: torch.Tensor) -> tuple[KVCache, KVCache]:
     """The int8 cache of k, v and, as float32, the rows it dequantizes to."""
-    (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
-    cache = KVCache(kq, vq, ks, vs)
+    cache = quantize_kv(k, v)
     every = torch.arange(k.shape[1])
     return cache, KVCache(*gather_kv(cache, every, torch.float32))
 

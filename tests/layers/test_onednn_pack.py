@@ -12,8 +12,10 @@ from met import LLM, SamplingParams
 from met.layers import linear as linear_mod
 from met.layers.linear import Int4Weight, Int8Weight, Linear, LMHead, onednn_linear, onednn_pack
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                reason="torch built without oneDNN: the plain path is used")
+
+def test_torch_has_onednn():
+    """The pinned CPU torch wheel is built with oneDNN; every test below relies on it."""
+    assert torch.backends.mkldnn.is_available()
 
 ROWS = [1, 3, 5, 64, 300]
 

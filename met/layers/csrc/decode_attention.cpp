@@ -17,9 +17,6 @@
 
 namespace {
 
-template <typename T>
-constexpr bool kIsInt8 = std::is_same_v<T, int8_t>;
-
 // 32 bf16 values as two float32 vectors without a widening shuffle: read as sixteen 32-bit
 // words, the even elements are the low halves (shift them up) and the odd elements the high
 // halves (mask the low ones off). The values come out in "pair order": in each block of 32,
@@ -47,7 +44,9 @@ constexpr int kNaturalOrder = 0, kPairOrder = 1, kQuadOrder = 2;
 template <int kOrder>
 MET_INLINE int64_t element_pos(int64_t d) {
   if constexpr (kOrder == kPairOrder) return pair_pos(d);
-  if constexpr (kOrder == kQuadOrder) return (d & ~int64_t{63}) + (d & 3) * kLanes + ((d & 63) >> 2);
+  if constexpr (kOrder == kQuadOrder) {
+    return (d & ~int64_t{63}) + (d & 3) * kLanes + ((d & 63) >> 2);
+  }
   return d;
 }
 
@@ -537,8 +536,10 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
   const T* rows[kKeyBlock];
   for (int j = 0; j < kKeyBlock; ++j) rows[j] = kg + slots[j < n ? j : n - 1] * s1;
   vfloat key_scale = MET_SPLAT(scale);
-  if constexpr (kIsInt8<T>) {
-    for (int j = 0; j < kKeyBlock; ++j) key_scale[j] = scale * row_scale[slots[j < n ? j : n - 1]];
+  if constexpr (std::is_same_v<T, int8_t>) {
+    for (int j = 0; j < kKeyBlock; ++j) {
+      key_scale[j] = scale * row_scale[slots[j < n ? j : n - 1]];
+    }
   }
   vfloat dots[GB][kKeyBlock] = {};
   // The even and odd vectors of a bf16 block come from one load each; float32 rows are read
@@ -620,7 +621,7 @@ MET_INLINE void values_fast(const Problem& p, const T* vg, const int64_t* slots,
 // cache's: the same, or int8 rows with float32 scales.
 template <typename Q, typename T>
 MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, float* ws) {
-  constexpr bool kInt8 = kIsInt8<T>;
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   constexpr int kOrder = std::is_same_v<T, c10::BFloat16> ? kPairOrder
                          : std::is_same_v<T, int8_t>     ? kQuadOrder
                                                          : kNaturalOrder;
@@ -649,7 +650,7 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
   float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
   softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
   if constexpr (kInt8) {
-    // Each value row's scale joins its weight: sum_t w_t (v_scale_t q_t) = sum_t (w_t v_scale_t) q_t.
+    // Each value row's scale joins its weight: sum_t w_t (s_t q_t) = sum_t (w_t s_t) q_t.
     const float* v_scale = p.v_scale + g * p.S;
     for (int64_t t = 0; t < L; ++t) {
       const float vs = v_scale[slots[t]];

@@ -236,42 +236,33 @@ constexpr int64_t kMaxHeadDim = 512;
 
 typedef int8_t vchar __attribute__((vector_size(16)));
 
-MET_INLINE float bf16_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
-
 // One bfloat16 row of D values into int8 with its scale, as met.layers.kv_cache.quantize_rows
 // does it: scale = max|x| / 127, q = round-half-even(x / scale), all in float32 (0 for an
 // all-zero row). A division, not a multiply by 127 / max|x|: GCC contracts a multiply and
 // the rounding add below into one FMA, which would round some ties differently from torch.
 MET_INLINE void quantize_row_q8(const uint16_t* x, int64_t D, int8_t* q, float* scale) {
   vfloat vmax = {};
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    const vfloat v = load_bf16(x + d);
+  for (int64_t d = 0; d < D; d += kLanes) {  // a partial last chunk is zero-padded
+    const vfloat v = load_bf16_n(x + d, std::min(kLanes, D - d));
     const vfloat a = v < 0.f ? -v : v;
     vmax = a > vmax ? a : vmax;
   }
   float absmax = 0.f;
   for (int l = 0; l < kLanes; ++l) absmax = std::max(absmax, vmax[l]);
-  for (int64_t e = d; e < D; ++e) absmax = std::max(absmax, std::fabs(bf16_to_float(x[e])));
   const float s = absmax / 127.0f;
   *scale = s;
   if (s == 0.f) {
     std::memset(q, 0, D);
     return;
   }
-  for (d = 0; d + kLanes <= D; d += kLanes) {
+  for (int64_t d = 0; d < D; d += kLanes) {
+    const int64_t n = std::min(kLanes, D - d);
     // Adding and taking off 1.5 * 2^23 rounds |y| <= 127 to the nearest integer, ties to even.
-    const vfloat y = load_bf16(x + d) / s;
+    const vfloat y = load_bf16_n(x + d, n) / s;
     const vfloat r = (y + 12582912.0f) - 12582912.0f;
     const vchar b = __builtin_convertvector(__builtin_convertvector(r, vint), vchar);
-    std::memcpy(q + d, &b, sizeof(b));
+    std::memcpy(q + d, &b, n);
   }
-  for (; d < D; ++d) q[d] = static_cast<int8_t>(std::nearbyint(bf16_to_float(x[d]) / s));
 }
 
 // One head: out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), rotate_half(x) = (-x2, x1).

@@ -246,41 +246,33 @@ MET_AMX_TARGET void unpack_group(const Problem& p, int64_t g, __m512i* unpacked)
 }
 
 // Block b's sums of rows m0..m0+16 (q padded with zero rows past M), channels j, into tile
-// `C` and then `sums`. The B tile: 8-bit weights are read in place (their quads are the
-// tile's rows, 4 × 64 bytes apart), 4-bit ones from `unpacked`.
-#define MET_AMX_BLOCK_SUMS(C, A, B, b, sums)                                        \
-  do {                                                                             \
-    _tile_loadd(A, q + m0 * p.K + (b) * kK, p.K);                                  \
-    if constexpr (kQ8) {                                                           \
-      _tile_loadd(B, p.w + g * nb * kBlockBytes<true> + ((b) * 8 * kBlocks + j) * 64, \
-                  kBlocks * 64);                                                   \
-    } else {                                                                       \
-      _tile_loadd(B, unpacked + ((b) * kBlocks + j) * 8, 64);                      \
-    }                                                                              \
-    _tile_zero(C);                                                                 \
-    _tile_dpbsud(C, A, B);                                                         \
-    _tile_stored(C, sums, 64);                                                     \
+// `C` and then `sums`; the caller's b_tile(b) / b_stride say where block b's B tile is.
+#define MET_AMX_BLOCK_SUMS(C, A, B, b, sums)             \
+  do {                                                  \
+    _tile_loadd(A, q + m0 * p.K + (b) * kK, p.K);       \
+    _tile_loadd(B, b_tile(b), b_stride);                \
+    _tile_zero(C);                                      \
+    _tile_dpbsud(C, A, B);                              \
+    _tile_stored(C, sums, 64);                          \
   } while (0)
 
 constexpr int kFloatRows = 8;
 
-// The float steps of tile() above, in its order, for R rows (batch rows m..m+R, tile rows
-// t..t+R) of channels n..n+16 on the block sums in `sums` (nb tiles of 16 × 16 int32).
-template <bool kQ8, int R>
-MET_AMX_TARGET inline void amx_float_steps(const Problem& p, const int32_t* sums,
-                                           const uint16_t* dp, const uint16_t* mp, int64_t m,
-                                           int t, int64_t n) {
+// The float steps of tile() above for 8-bit weights, in its order, for R rows (batch rows
+// m..m+R, tile rows t..t+R) of channels n..n+16 on the block sums in `sums` (nb tiles of
+// 16 × 16 int32): R independent accumulator chains share each block's d.
+template <int R>
+MET_AMX_TARGET inline void amx_float_steps_q8(const Problem& p, const int32_t* sums,
+                                              const uint16_t* dp, int64_t m, int t, int64_t n) {
   const int64_t nb = p.K / kK;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + b * kGroup)));
-    const __m512 mv = kQ8 ? d : _mm512_cvtph_ps(_mm256_loadu_si256(
-                                    (const __m256i*)(mp + b * kGroup)));
     const int32_t* tile_sums = sums + (b * kAmxRows + t) * kLanes;
     for (int r = 0; r < R; ++r) {
       const __m512i isum = _mm512_load_si512(tile_sums + r * kLanes);
-      acc[r] = block_step<kQ8>(acc[r], isum, d, mv, p.rows[m + r], b);
+      acc[r] = block_step<true>(acc[r], isum, d, d, p.rows[m + r], b);
     }
   }
   for (int r = 0; r < R; ++r) store16(p, m + r, n, acc[r]);
@@ -291,12 +283,15 @@ MET_AMX_TARGET inline void amx_float_steps(const Problem& p, const int32_t* sums
 // int32), then the float steps, eight rows at a time over the blocks in order. For the head
 // (49,152 outputs, weights read from memory) this is ~1.2x faster than interleaving; for the
 // 4-bit layers (weights unpacked into L1, sums up to 48 KB at K = 1536) it was slower.
-template <bool kQ8>
 MET_AMX_TARGET void amx_tile_two_pass(const Problem& p, const int8_t* q, int64_t g, int j,
-                                      int64_t m0, const __m512i* unpacked, int32_t* sums) {
+                                      int64_t m0, int32_t* sums) {
   const int64_t nb = p.K / kK;
+  // 8-bit weights are read in place: their quads are the tile's rows, 4 × 64 bytes apart.
+  const auto b_tile = [&](int64_t b) {
+    return p.w + g * nb * kBlockBytes<true> + (b * 8 * kBlocks + j) * 64;
+  };
+  constexpr int64_t b_stride = kBlocks * 64;
   const uint16_t* dp = p.d + g * nb * kGroup + j * kLanes;
-  const uint16_t* mp = kQ8 ? nullptr : p.m + g * nb * kGroup + j * kLanes;
   const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.M - m0));
   constexpr int kTileInts = kAmxRows * kLanes;
   int64_t b = 0;
@@ -306,31 +301,22 @@ MET_AMX_TARGET void amx_tile_two_pass(const Problem& p, const int8_t* q, int64_t
   }
   if (b < nb) MET_AMX_BLOCK_SUMS(0, 2, 3, b, sums + b * kTileInts);
   const int64_t n = g * kGroup + j * kLanes;
-  // Eight rows at a time: eight independent accumulator chains share each block's d and m.
   int r0 = 0;
   for (; r0 + kFloatRows <= valid; r0 += kFloatRows) {
-    amx_float_steps<kQ8, kFloatRows>(p, sums, dp, mp, m0 + r0, r0, n);
+    amx_float_steps_q8<kFloatRows>(p, sums, dp, m0 + r0, r0, n);
   }
-  switch (valid - r0) {
-    case 0: break;
-    case 1: amx_float_steps<kQ8, 1>(p, sums, dp, mp, m0 + r0, r0, n); break;
-    case 2: amx_float_steps<kQ8, 2>(p, sums, dp, mp, m0 + r0, r0, n); break;
-    case 3: amx_float_steps<kQ8, 3>(p, sums, dp, mp, m0 + r0, r0, n); break;
-    case 4: amx_float_steps<kQ8, 4>(p, sums, dp, mp, m0 + r0, r0, n); break;
-    case 5: amx_float_steps<kQ8, 5>(p, sums, dp, mp, m0 + r0, r0, n); break;
-    case 6: amx_float_steps<kQ8, 6>(p, sums, dp, mp, m0 + r0, r0, n); break;
-    default: amx_float_steps<kQ8, 7>(p, sums, dp, mp, m0 + r0, r0, n); break;
-  }
+  for (; r0 < valid; ++r0) amx_float_steps_q8<1>(p, sums, dp, m0 + r0, r0, n);  // last tile
 }
 // Rows m0..m0+16 of channels j of group g (4-bit weights): the float steps of tile() above,
 // in its order, on TDPBSUD's block sums, each block's sums issued a block ahead of the float
 // steps that read them, so the tile unit's latency hides behind the vector work.
-template <bool kQ8>
 MET_AMX_TARGET void amx_tile_interleaved(const Problem& p, const int8_t* q, int64_t g, int j,
                                          int64_t m0, const __m512i* unpacked) {
   const int64_t nb = p.K / kK;
   const uint16_t* dp = p.d + g * nb * kGroup + j * kLanes;
-  const uint16_t* mp = kQ8 ? nullptr : p.m + g * nb * kGroup + j * kLanes;
+  const uint16_t* mp = p.m + g * nb * kGroup + j * kLanes;
+  const auto b_tile = [&](int64_t b) { return unpacked + (b * kBlocks + j) * 8; };
+  constexpr int64_t b_stride = 64;
   const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.M - m0));
   alignas(64) int32_t sums[2][kAmxRows * kLanes];
   __m512 acc[kAmxRows];
@@ -346,13 +332,12 @@ MET_AMX_TARGET void amx_tile_interleaved(const Problem& p, const int8_t* q, int6
     }
     const int32_t* block_sums = sums[b % 2];
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + b * kGroup)));
-    const __m512 m = kQ8 ? d : _mm512_cvtph_ps(_mm256_loadu_si256(
-                                   (const __m256i*)(mp + b * kGroup)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + b * kGroup)));
 #pragma GCC unroll 16
     for (int r = 0; r < kAmxRows; ++r) {
       if (r >= valid) break;
       const __m512i isum = _mm512_load_si512(block_sums + r * kLanes);
-      acc[r] = block_step<kQ8>(acc[r], isum, d, m, p.rows[m0 + r], b);
+      acc[r] = block_step<false>(acc[r], isum, d, m, p.rows[m0 + r], b);
     }
   }
   const int64_t n = g * kGroup + j * kLanes;
@@ -385,9 +370,9 @@ MET_AMX_TARGET void amx_groups(const Problem& p, const int8_t* q, int64_t g0, in
     for (int64_t m0 = 0; m0 < p.M; m0 += kAmxRows)
       for (int j = 0; j < kBlocks && g * kGroup + j * kLanes < p.N; ++j)
         if constexpr (kQ8) {
-          amx_tile_two_pass<kQ8>(p, q, g, j, m0, unpacked, sums);
+          amx_tile_two_pass(p, q, g, j, m0, sums);
         } else {
-          amx_tile_interleaved<kQ8>(p, q, g, j, m0, unpacked);
+          amx_tile_interleaved(p, q, g, j, m0, unpacked);
         }
   }
   _tile_release();
