@@ -115,6 +115,11 @@ struct Problem {
   // float32 output larger than L2 (the LM head's logits at many rows): streaming stores
   // bypass the caches, where a plain store would first read each line in.
   bool stream_out;
+  // AMX: each 16-row tile's row scales side by side, [tile][block][16 rows]: s, and sq
+  // (4-bit weights) or qsum (8-bit).
+  const float* tile_s;
+  const float* tile_sq;
+  const int32_t* tile_qsum;
 };
 
 MET_VNNI_TARGET inline void store16(const Problem& p, int64_t r, int64_t n, __m512 y) {
@@ -136,16 +141,22 @@ constexpr int64_t kBlockBytes = (kQ8 ? 8 : 4) * kBlocks * 64;
 // kernels below. 4-bit: acc += isum · (d s) + m · sq. 8-bit weights are stored plus 128
 // (VPDPBUSD wants them unsigned): isum - 128 · qsum is the exact sum, acc += it · (d s).
 template <bool kQ8>
-MET_VNNI_TARGET inline __m512 block_step(__m512 acc, __m512i isum, __m512 d, __m512 m,
-                                         const QuantRow& row, int64_t b) {
-  const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(row.s[b]));
+MET_VNNI_TARGET inline __m512 block_step(__m512 acc, __m512i isum, __m512 d, __m512 m, float s,
+                                         float sq, int32_t qsum) {
+  const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(s));
   if constexpr (kQ8) {
-    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(row.qsum[b]));
+    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(qsum));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc);
   } else {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc);
-    return _mm512_fmadd_ps(m, _mm512_set1_ps(row.sq[b]), acc);
+    return _mm512_fmadd_ps(m, _mm512_set1_ps(sq), acc);
   }
+}
+
+template <bool kQ8>
+MET_VNNI_TARGET inline __m512 block_step(__m512 acc, __m512i isum, __m512 d, __m512 m,
+                                         const QuantRow& row, int64_t b) {
+  return block_step<kQ8>(acc, isum, d, m, row.s[b], row.sq[b], row.qsum[b]);
 }
 
 // Rows m0..m0+R of channel group g.
@@ -267,12 +278,16 @@ MET_AMX_TARGET inline void amx_float_steps_q8(const Problem& p, const int32_t* s
   const int64_t nb = p.K / kK;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t at = (m / kAmxRows) * nb * kAmxRows + t;
+  const float* ts = p.tile_s + at;
+  const int32_t* tq = p.tile_qsum + at;
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + b * kGroup)));
     const int32_t* tile_sums = sums + (b * kAmxRows + t) * kLanes;
     for (int r = 0; r < R; ++r) {
       const __m512i isum = _mm512_load_si512(tile_sums + r * kLanes);
-      acc[r] = block_step<true>(acc[r], isum, d, d, p.rows[m + r], b);
+      acc[r] = block_step<true>(acc[r], isum, d, d, ts[b * kAmxRows + r], 0.0f,
+                                tq[b * kAmxRows + r]);
     }
   }
   for (int r = 0; r < R; ++r) store16(p, m + r, n, acc[r]);
@@ -309,18 +324,25 @@ MET_AMX_TARGET void amx_tile_two_pass(const Problem& p, const int8_t* q, int64_t
 }
 // Rows m0..m0+16 of channels j of group g (4-bit weights): the float steps of tile() above,
 // in its order, on TDPBSUD's block sums, each block's sums issued a block ahead of the float
-// steps that read them, so the tile unit's latency hides behind the vector work.
+// steps that read them. All 16 rows run (padding rows: zero activations and scales), so the
+// sixteen accumulators are named registers (GCC keeps an array of them on the stack and
+// reloads it every block) and each row's scales are one broadcast load from the tile's
+// [block][16] arrays (not two pointer loads through QuantRow): together 23.4 -> 18.0 ms for
+// a layer's four projections at 1,760 rows and 0.79 -> 0.67 ms at 64 (2 threads).
 MET_AMX_TARGET void amx_tile_interleaved(const Problem& p, const int8_t* q, int64_t g, int j,
                                          int64_t m0, const __m512i* unpacked) {
   const int64_t nb = p.K / kK;
   const uint16_t* dp = p.d + g * nb * kGroup + j * kLanes;
   const uint16_t* mp = p.m + g * nb * kGroup + j * kLanes;
+  const float* ts = p.tile_s + (m0 / kAmxRows) * nb * kAmxRows;
+  const float* tsq = p.tile_sq + (m0 / kAmxRows) * nb * kAmxRows;
   const auto b_tile = [&](int64_t b) { return unpacked + (b * kBlocks + j) * 8; };
   constexpr int64_t b_stride = 64;
-  const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.M - m0));
   alignas(64) int32_t sums[2][kAmxRows * kLanes];
-  __m512 acc[kAmxRows];
-  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+#define MET_ROWS16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) \
+  X(13) X(14) X(15)
+#define MET_ACC_DECLARE(r) __m512 acc##r = _mm512_setzero_ps();
+  MET_ROWS16(MET_ACC_DECLARE)
   MET_AMX_BLOCK_SUMS(0, 2, 3, 0, sums[0]);
   for (int64_t b = 0; b < nb; ++b) {
     if (b + 1 < nb) {
@@ -333,14 +355,21 @@ MET_AMX_TARGET void amx_tile_interleaved(const Problem& p, const int8_t* q, int6
     const int32_t* block_sums = sums[b % 2];
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + b * kGroup)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + b * kGroup)));
-#pragma GCC unroll 16
-    for (int r = 0; r < kAmxRows; ++r) {
-      if (r >= valid) break;
-      const __m512i isum = _mm512_load_si512(block_sums + r * kLanes);
-      acc[r] = block_step<false>(acc[r], isum, d, m, p.rows[m0 + r], b);
-    }
+    const float* s = ts + b * kAmxRows;
+    const float* sq = tsq + b * kAmxRows;
+#define MET_ACC_STEP(r)                                                                    \
+  acc##r = block_step<false>(acc##r, _mm512_load_si512(block_sums + (r) * kLanes), d, m, s[r], \
+                             sq[r], 0);
+    MET_ROWS16(MET_ACC_STEP)
   }
+#define MET_ACC_LIST(r) acc##r,
+  const __m512 acc[kAmxRows] = {MET_ROWS16(MET_ACC_LIST)};
+#undef MET_ACC_LIST
+#undef MET_ACC_STEP
+#undef MET_ACC_DECLARE
+#undef MET_ROWS16
   const int64_t n = g * kGroup + j * kLanes;
+  const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.M - m0));
   for (int r = 0; r < valid; ++r) store16(p, m0 + r, n, acc[r]);
 }
 #undef MET_AMX_BLOCK_SUMS
@@ -412,6 +441,11 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
   std::vector<float> s(M * nb), sq(M * nb);
   std::vector<int32_t> qsum(M * nb);
   std::vector<QuantRow> rows(M);
+  // The AMX paths read each 16-row tile's scales side by side (Problem::tile_s), zero for
+  // padding rows: one broadcast load per row and block instead of two through QuantRow.
+  const int64_t tile_values = amx ? q.size() / K * nb : 0;
+  std::vector<float> tile_s(tile_values, 0.0f), tile_sq(q8 ? 0 : tile_values, 0.0f);
+  std::vector<int32_t> tile_qsum(q8 ? tile_values : 0, 0);
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -419,6 +453,15 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
       quantize_row(xp + r * K, K, q.data() + r * K, s.data() + o, sq.data() + o,
                    qsum.data() + o);
       rows[r] = QuantRow{q.data() + r * K, s.data() + o, sq.data() + o, qsum.data() + o};
+      for (int64_t b = 0; amx && b < nb; ++b) {
+        const int64_t at = ((r / kAmxRows) * nb + b) * kAmxRows + r % kAmxRows;
+        tile_s[at] = s[o + b];
+        if (q8) {
+          tile_qsum[at] = qsum[o + b];
+        } else {
+          tile_sq[at] = sq[o + b];
+        }
+      }
     }
   });
   const Problem p{rows.data(), packed.data_ptr<uint8_t>(),
@@ -426,7 +469,8 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
                   m == nullptr ? nullptr : static_cast<const uint16_t*>(m->data_ptr()),
                   bias.has_value() ? bias->data_ptr<float>() : nullptr,
                   out.data_ptr(), M, K, N, out_float,
-                  out_float && M * N * 4 > kStreamOutBytes};
+                  out_float && M * N * 4 > kStreamOutBytes, tile_s.data(), tile_sq.data(),
+                  tile_qsum.data()};
   // Tasks own whole channel groups and run every row: the thread split never changes a sum.
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (amx) {
