@@ -47,7 +47,10 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = process_logits(logits, requests)
+        edited = process_logits(logits, requests)
+        if edited is logits and _has_structure(requests):
+            edited = logits.clone()  # the grammar and thinking masks write in place
+        logits = edited
         dead_ends = _apply_structure(logits, requests)
 
         tokens = fused_ops.argmax(logits)
@@ -71,7 +74,11 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The logit edits every row gets, greedy or not (in place on a float32 copy)."""
+    """The logit edits every row gets, greedy or not, made on a float32 copy; ``logits``
+    itself when no request asks for any (copying 64 rows of a 49k vocabulary took 1.5 ms of
+    a 64-stream step)."""
+    if not any(_edits_logits(r) for r in requests):
+        return logits
     logits = logits.clone()
     _mask_until_min_tokens(logits, requests)
     _apply_repetition_penalty(logits, requests)
@@ -84,10 +91,23 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     return logits
 
 
+def _edits_logits(r: Request) -> bool:
+    """Whether any stage of `process_logits` touches this request's row."""
+    p = r.params
+    return bool(r.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0 or p.frequency_penalty != 0 or p.lz_penalty != 0
+                or p.dry_multiplier != 0 or p.bad_words or p.allowed_token_ids is not None
+                or p.logit_bias)
+
+
+def _has_structure(requests: list[Request]) -> bool:
+    return any(r.grammar is not None or r.thinking is not None for r in requests)
+
+
 def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Grammar masks (outside thinking), then tokens a thinking budget forces. Returns the
     rows left with no allowed token."""
-    if all(r.grammar is None and r.thinking is None for r in requests):
+    if not _has_structure(requests):
         return []  # the common case: nothing to mask
     # A budgeted reasoning model may open its thinking as its first token even when a
     # grammar holds the answer: keep the start marker's logit through the grammar mask.

@@ -254,6 +254,21 @@ def test_repetition_penalty_changes_the_greedy_choice_and_window_limits_it():
     assert sampler(logits, [far]).token_ids == [1]
 
 
+def test_sampling_leaves_the_callers_logits_as_they_were():
+    """Rows without logit edits are read in place (no copy); with edits, or a grammar mask,
+    the edits land on a copy: the caller's tensor is the same afterwards either way."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    before = logits.clone()
+    sampler = Sampler()
+    plain = [make_req([1], rid=str(i), temperature=0) for i in range(3)]
+    assert sampler(logits, plain).token_ids == before.argmax(dim=-1).tolist()
+    top = int(before[0].argmax())
+    banned = make_req([1], temperature=0, logit_bias={top: -100})
+    assert process_logits(logits, plain) is logits
+    assert sampler(logits[:1], [banned]).token_ids[0] != top
+    assert torch.equal(logits, before)
+
+
 def test_logit_bias_forces_and_bans_tokens():
     logits = torch.randn(8, V, generator=torch.Generator().manual_seed(3))
     sampler = Sampler()
