@@ -78,10 +78,10 @@ class ModelRunner:
     ) -> tuple[ForwardBatch, list[int], list[str]]:
         ids: list[int] = []
         positions: list[int] = []
-        new_slots: list[torch.Tensor] = []
-        spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        bounds: list[tuple[int, int, int, int]] = []  # per request: row, start, end, blocks
+        blocks: list[int] = []  # every request's context blocks, one after another
         for item in step.scheduled:
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
@@ -89,12 +89,25 @@ class ModelRunner:
             q_start = len(ids)
             ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
-            ctx_slots = self._context_slots(block_tables[req.request_id], end)
-            new_slots.append(ctx_slots[start:end])
-            spans.append(SeqSpan(q_start, n, end, ctx_slots))
+            table = block_tables[req.request_id][: -(-end // self.block_size)]
+            bounds.append((q_start, start, end, len(table)))
+            blocks.extend(table)
             if end == req.num_tokens:  # caught up: this row's logits give the next token
                 sample_rows.append(q_start + n - 1)
                 sample_ids.append(req.request_id)
+        # Every request's context slots as views into one tensor: two tensor ops per step
+        # instead of two per request (1.5 ms of a 64-stream decode step).
+        bs = self.block_size
+        all_slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * bs
+                     + torch.arange(bs)).flatten().to(self.device)
+        spans: list[SeqSpan] = []
+        new_slots: list[torch.Tensor] = []
+        first = 0
+        for q_start, start, end, num_blocks in bounds:
+            ctx_slots = all_slots[first:first + end]
+            first += num_blocks * bs
+            new_slots.append(ctx_slots[start:end])
+            spans.append(SeqSpan(q_start, end - start, end, ctx_slots))
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -104,10 +117,3 @@ class ModelRunner:
             row_attention=self.model.row_attention,
         )
         return batch, sample_rows, sample_ids
-
-    def _context_slots(self, table: list[int], ctx_len: int) -> torch.Tensor:
-        """Flat slot of every position 0..ctx_len-1 of a request, from its block table."""
-        bs = self.block_size
-        blocks = torch.tensor(table[: -(-ctx_len // bs)], dtype=torch.long)
-        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:ctx_len]
-        return slots.to(self.device)
