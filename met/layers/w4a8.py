@@ -35,9 +35,10 @@ _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
 # From this many rows on, AMX-INT8 tiles (where the CPU has them) compute the block sums:
 # the same bits as the VNNI path (csrc/w4a8.cpp). Measured on the embedded model's shapes
-# (2-core Sapphire Rapids, a step's 210 linear layers): equal at 32 rows, 6 % faster at 64,
-# 9 % at 256; below 32 the 16-row tiles' padding loses. The float steps after the integer
-# sums, the same in both paths, take most of the time at many rows.
+# (2-core Sapphire Rapids, a layer's four projections, cache-hot, after the AMX float steps
+# moved into registers): AMX / VNNI 1.14x at 32 rows and 1.15x at 48, 1.03x at 16 but
+# 0.75-0.95x at 20-28 (the 16-row tiles' padding). The float steps after the integer sums,
+# the same in both paths, take most of the time at many rows.
 AMX_MIN_ROWS = 32
 
 
