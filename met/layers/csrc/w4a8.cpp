@@ -82,9 +82,9 @@ struct QuantRow {
   const int32_t* qsum;   // [K / 32] 128 · sum of the block's q (the 8-bit weights' offset)
 };
 
-// Row x (bfloat16, K values, K % 32 == 0) -> q, s, sq, qsum.
+// Row x (bfloat16, K values, K % 32 == 0) -> q, and block b's s, sq, qsum at [b * stride].
 MET_VNNI_TARGET void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* s,
-                                  float* sq, int32_t* qsum) {
+                                  float* sq, int32_t* qsum, int64_t stride) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < K / kK; ++b) {
     const __m512 v0 = widen_bf16(x + b * kK), v1 = widen_bf16(x + b * kK + 16);
@@ -97,14 +97,15 @@ MET_VNNI_TARGET void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float
     _mm512_mask_cvtsepi32_storeu_epi8(q + b * kK, 0xFFFF, q0);
     _mm512_mask_cvtsepi32_storeu_epi8(q + b * kK + 16, 0xFFFF, q1);
     const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // exact
-    s[b] = absmax / 127.0f;
-    sq[b] = s[b] * static_cast<float>(total);
-    qsum[b] = 128 * total;
+    const float scale = absmax / 127.0f;
+    s[b * stride] = scale;
+    sq[b * stride] = scale * static_cast<float>(total);
+    qsum[b * stride] = 128 * total;
   }
 }
 
 struct Problem {
-  const QuantRow* rows;
+  const QuantRow* rows;   // the VNNI path's rows (empty when the tiles run)
   const uint8_t* w;       // packed nibbles (4-bit weights) or offset bytes (8-bit weights)
   const uint16_t* d;      // float16 [groups][blocks][4][16]
   const uint16_t* m;      // the same for the minimums; null for 8-bit weights
@@ -115,8 +116,8 @@ struct Problem {
   // float32 output larger than L2 (the LM head's logits at many rows): streaming stores
   // bypass the caches, where a plain store would first read each line in.
   bool stream_out;
-  // AMX: each 16-row tile's row scales side by side, [tile][block][16 rows]: s, and sq
-  // (4-bit weights) or qsum (8-bit).
+  // AMX: each 16-row tile's row scales side by side, [tile][block][16 rows] (zero for
+  // padding rows): one broadcast load per row and block instead of two through QuantRow.
   const float* tile_s;
   const float* tile_sq;
   const int32_t* tile_qsum;
@@ -327,7 +328,7 @@ MET_AMX_TARGET void amx_tile_two_pass(const Problem& p, const int8_t* q, int64_t
 // steps that read them. All 16 rows run (padding rows: zero activations and scales), so the
 // sixteen accumulators are named registers (GCC keeps an array of them on the stack and
 // reloads it every block) and each row's scales are one broadcast load from the tile's
-// [block][16] arrays (not two pointer loads through QuantRow): together 23.4 -> 18.0 ms for
+// [block][16] arrays (Problem::tile_s): together 23.4 -> 18.0 ms for
 // a layer's four projections at 1,760 rows and 0.79 -> 0.67 ms at 64 (2 threads).
 MET_AMX_TARGET void amx_tile_interleaved(const Problem& p, const int8_t* q, int64_t g, int j,
                                          int64_t m0, const __m512i* unpacked) {
@@ -438,29 +439,20 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
   const bool amx = M >= amx_min_rows && amx_supported();
   // The AMX tiles read 16 rows at a time: zero rows pad q to a multiple of 16.
   std::vector<int8_t> q((amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M) * K, 0);
-  std::vector<float> s(M * nb), sq(M * nb);
-  std::vector<int32_t> qsum(M * nb);
-  std::vector<QuantRow> rows(M);
-  // The AMX paths read each 16-row tile's scales side by side (Problem::tile_s), zero for
-  // padding rows: one broadcast load per row and block instead of two through QuantRow.
-  const int64_t tile_values = amx ? q.size() / K * nb : 0;
-  std::vector<float> tile_s(tile_values, 0.0f), tile_sq(q8 ? 0 : tile_values, 0.0f);
-  std::vector<int32_t> tile_qsum(q8 ? tile_values : 0, 0);
+  // Block scales per row: [row][block] for the VNNI path (read through QuantRow), or the
+  // tiles' [tile][block][16 rows] (Problem::tile_s), quantize_row writing either directly.
+  const int64_t padded_rows = static_cast<int64_t>(q.size()) / K;
+  std::vector<float> s(padded_rows * nb, 0.0f), sq(s.size(), 0.0f);
+  std::vector<int32_t> qsum(s.size(), 0);
+  std::vector<QuantRow> rows(amx ? 0 : M);
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t o = r * nb;
+      const int64_t o = amx ? (r / kAmxRows) * nb * kAmxRows + r % kAmxRows : r * nb;
       quantize_row(xp + r * K, K, q.data() + r * K, s.data() + o, sq.data() + o,
-                   qsum.data() + o);
-      rows[r] = QuantRow{q.data() + r * K, s.data() + o, sq.data() + o, qsum.data() + o};
-      for (int64_t b = 0; amx && b < nb; ++b) {
-        const int64_t at = ((r / kAmxRows) * nb + b) * kAmxRows + r % kAmxRows;
-        tile_s[at] = s[o + b];
-        if (q8) {
-          tile_qsum[at] = qsum[o + b];
-        } else {
-          tile_sq[at] = sq[o + b];
-        }
+                   qsum.data() + o, amx ? kAmxRows : 1);
+      if (!amx) {
+        rows[r] = QuantRow{q.data() + r * K, s.data() + o, sq.data() + o, qsum.data() + o};
       }
     }
   });
@@ -469,8 +461,7 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
                   m == nullptr ? nullptr : static_cast<const uint16_t*>(m->data_ptr()),
                   bias.has_value() ? bias->data_ptr<float>() : nullptr,
                   out.data_ptr(), M, K, N, out_float,
-                  out_float && M * N * 4 > kStreamOutBytes, tile_s.data(), tile_sq.data(),
-                  tile_qsum.data()};
+                  out_float && M * N * 4 > kStreamOutBytes, s.data(), sq.data(), qsum.data()};
   // Tasks own whole channel groups and run every row: the thread split never changes a sum.
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (amx) {
