@@ -27,23 +27,31 @@ class KVCacheManager:
     step — never a reservation for max_model_len.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 separate_generated: bool = False):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Blocks holding generated tokens hash apart from prompt blocks of the same tokens
+        # (`extend_block_hashes`' prompt_len): on for models that compute the two kinds of
+        # position differently (`CausalLM.prompt_rows_first`).
+        self.separate_generated = separate_generated
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_committed: dict[str, int] = {}
 
-    def find_prefix(self, request_id: str, tokens: Sequence[int], extra_keys: tuple) -> list[int]:
-        """Cached blocks matching the start of ``tokens`` (not yet acquired).
+    def find_prefix(self, request_id: str, tokens: Sequence[int], extra_keys: tuple,
+                    prompt_len: int | None = None) -> list[int]:
+        """Cached blocks matching the start of ``tokens`` (not yet acquired); ``tokens``'
+        first ``prompt_len`` are the request's prompt (None: all of them).
 
         The hit never covers the last token: that token must run to produce logits.
         """
         if not self.enable_prefix_caching:
             return []
         hashes = self._hashes.setdefault(request_id, [])
-        extend_block_hashes(hashes, tokens, self.block_size, extra_keys)
+        extend_block_hashes(hashes, tokens, self.block_size, extra_keys,
+                            self._prompt_len(tokens, prompt_len))
         max_blocks = (len(tokens) - 1) // self.block_size
         hit: list[int] = []
         for h in hashes[:max_blocks]:
@@ -73,19 +81,27 @@ class KVCacheManager:
         return True
 
     def commit(
-        self, request_id: str, tokens: Sequence[int], num_computed: int, extra_keys: tuple
+        self, request_id: str, tokens: Sequence[int], num_computed: int, extra_keys: tuple,
+        prompt_len: int | None = None,
     ) -> None:
-        """Index the request's newly completed full blocks so later requests can share them."""
+        """Index the request's newly completed full blocks so later requests can share them
+        (``prompt_len`` as for `find_prefix`)."""
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes.setdefault(request_id, [])
-        extend_block_hashes(hashes, tokens[:num_computed], self.block_size, extra_keys)
+        extend_block_hashes(hashes, tokens[:num_computed], self.block_size, extra_keys,
+                            self._prompt_len(tokens, prompt_len))
         blocks = self._blocks[request_id]
         done = self._num_committed.get(request_id, 0)
         full = num_computed // self.block_size
         for i in range(done, full):
             self.pool.cache(blocks[i], hashes[i])
         self._num_committed[request_id] = max(done, full)
+
+    def _prompt_len(self, tokens: Sequence[int], prompt_len: int | None) -> int | None:
+        if not self.separate_generated:
+            return None
+        return len(tokens) if prompt_len is None else prompt_len
 
     def block_table(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])

@@ -25,10 +25,22 @@ def hash_block(
     return h.digest()
 
 
+GENERATED = "generated"  # the extra key of a block that holds generated tokens
+
+
 def extend_block_hashes(
-    hashes: list[BlockHash], tokens: Sequence[int], block_size: int, extra_keys: tuple = ()
+    hashes: list[BlockHash], tokens: Sequence[int], block_size: int, extra_keys: tuple = (),
+    prompt_len: int | None = None,
 ) -> None:
-    """Append the hashes of every full block of ``tokens`` not hashed yet (in place)."""
+    """Append the hashes of every full block of ``tokens`` not hashed yet (in place).
+
+    With ``prompt_len``, a block reaching past the prompt (it holds generated tokens) also
+    gets the key `GENERATED`: a model that computes prompt and generated positions through
+    different kernels (`CausalLM.prompt_rows_first`) must not serve one from the other's KV.
+    """
     for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, tokens[start : start + block_size], extra_keys))
+        keys = extra_keys
+        if prompt_len is not None and start + block_size > prompt_len:
+            keys = (*extra_keys, GENERATED)
+        hashes.append(hash_block(parent, tokens[start : start + block_size], keys))

@@ -54,6 +54,10 @@ class ForwardBatch:
     # (CausalLM.row_attention; on for w8a8 and w4a8, whose int8 rounding of activations would
     # turn the prefill kernel's chunk-dependent last bits into different tokens).
     row_attention: bool = False
+    # Rows [0, prompt_rows) are prompt positions and every later row a generated one, when
+    # the model runs the two through different kernels (CausalLM.prompt_rows_first: the
+    # runner then orders prompt chunks first); 0 otherwise.
+    prompt_rows: int = 0
     # Per-step values the layers share (attention plans per window, rotary cos/sin at these
     # positions), by key: computed by the first layer that needs them.
     memo: dict = field(default_factory=dict, compare=False, repr=False)

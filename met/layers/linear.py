@@ -204,6 +204,9 @@ class Linear(nn.Module):
         # Built by pack(): the kernel call for 2-D contiguous bfloat16 rows (a decode step's),
         # with its tensors bound, so ~120 calls a step skip the module attribute lookups.
         self.bf16_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Built by pack() under w4a8 where the CPU has AMX-BF16: ``f(x, prompt_rows)``, x's
+        # first prompt_rows rows through bfloat16 weights (`Int4Dynamic.prompt_rows_kernel`).
+        self.prompt_rows_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bf16_rows = self.bf16_rows
@@ -235,6 +238,8 @@ class Linear(nn.Module):
         """Set `bf16_rows`: the kernel `forward` picks for 2-D contiguous bfloat16 rows."""
         if isinstance(self.quantized, IntActivationLinear):
             self.bf16_rows = self.quantized.bf16_rows()
+            if isinstance(self.quantized, Int4Dynamic):
+                self.prompt_rows_fn = self.quantized.prompt_rows_kernel()
         elif self.quantized is not None:
             self.bf16_rows = self.quantized.forward  # bfloat16 in, bfloat16 out
         elif self.onednn_weight is not None:
@@ -243,6 +248,7 @@ class Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the bound tensors
         self.bf16_rows = None
+        self.prompt_rows_fn = None
         return super()._apply(fn, recurse)
 
     def quantize(self, kind: str) -> None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from met.layers.int_activations import IntActivationLinear
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_w4a8_v8"
+_NAME = "met_w4a8_v9"
 _SOURCE = "w4a8.cpp"
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
@@ -46,6 +46,13 @@ def available() -> bool:
     """True when this CPU has AVX512-VNNI and the kernel builds (compiles on first call)."""
     ops = load_native_ops(_NAME, _SOURCE)
     return ops is not None and bool(ops.supported())
+
+
+def prompt_rows_available() -> bool:
+    """True when the kernel can run prompt rows through bfloat16 weights (AMX-BF16 tiles):
+    `Int4Dynamic.prompt_rows_kernel`."""
+    ops = load_native_ops(_NAME, _SOURCE)
+    return ops is not None and bool(ops.supported()) and bool(ops.amx_bf16_supported())
 
 
 def fit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,6 +122,7 @@ class _BlockKernelLinear(IntActivationLinear):
 
     _op: str  # the kernel's op in csrc/w4a8.cpp
     _kernel_buffers: tuple[str, ...]  # the weight buffers the op takes, in order
+    _takes_prompt_rows = False  # the op's last argument is prompt_rows (4-bit weights)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -155,6 +163,8 @@ class _BlockKernelLinear(IntActivationLinear):
         kernel = native_op(_NAME, _SOURCE, self._op)
         weights = tuple(getattr(self, name) for name in self._kernel_buffers)
         bias, n = self.bias, self.out_features
+        if self._takes_prompt_rows:
+            return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS, 0)
         return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS)
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
@@ -162,12 +172,17 @@ class _BlockKernelLinear(IntActivationLinear):
             return self.kernel(x, out_float, AMX_MIN_ROWS)
         return self._torch_product(x, out_float)
 
-    def kernel(self, x: torch.Tensor, out_float: bool, amx_min_rows: int) -> torch.Tensor:
+    def kernel(self, x: torch.Tensor, out_float: bool, amx_min_rows: int,
+               prompt_rows: int = 0) -> torch.Tensor:
         """The native kernel on x [M, K] contiguous bfloat16; AMX tiles from
-        ``amx_min_rows`` rows on (same bits either way)."""
+        ``amx_min_rows`` rows on (same bits either way); the first ``prompt_rows`` rows
+        through bfloat16 weights (`Int4Dynamic.prompt_rows_kernel`)."""
         weights = (getattr(self, name) for name in self._kernel_buffers)
+        extra = (prompt_rows,) if self._takes_prompt_rows else ()
+        if prompt_rows and not self._takes_prompt_rows:
+            raise ValueError(f"{type(self).__name__} has no prompt-rows path")
         return native_op(_NAME, _SOURCE, self._op)(x, *weights, self.bias, self.out_features,
-                                                   out_float, amx_min_rows)
+                                                   out_float, amx_min_rows, *extra)
 
     def _torch_product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         return block_quantized_product(x, self.dequantized(), self.bias, out_float)
@@ -182,6 +197,23 @@ class Int4Dynamic(_BlockKernelLinear):
 
     _op = "linear"
     _kernel_buffers = ("packed", "d", "m")
+    _takes_prompt_rows = True
+
+    def prompt_rows_kernel(self) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+        """``f(x, prompt_rows)``: x's first ``prompt_rows`` rows (positions inside their
+        request's prompt, which the runner orders first) times the weights dequantized to
+        bfloat16 (w = d q + m rounded once), unquantized, on AMX-BF16 tiles in float32;
+        the other rows as `forward`. Prefill at many rows costs about half the int8 path
+        (its per-block float steps are gone) and each row's output still depends on that
+        row alone. None where the CPU has no AMX-BF16 (every row then takes the int8 path).
+        """
+        if not (self.native and prompt_rows_available()):
+            return None
+        kernel = native_op(_NAME, _SOURCE, self._op)
+        weights = tuple(getattr(self, name) for name in self._kernel_buffers)
+        bias, n = self.bias, self.out_features
+        return lambda x, prompt_rows: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS,
+                                             prompt_rows)
 
     def _integers(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         blocks = getattr(weight, "q4_blocks", None)

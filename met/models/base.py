@@ -29,6 +29,17 @@ class CausalLM(nn.Module, ABC):
     # set by prepare() for w8a8 and w4a8.
     row_attention: bool = False
 
+    @property
+    def prompt_rows_first(self) -> bool:
+        """Whether forward() computes prompt positions through other kernels than generated
+        ones (`ForwardBatch.prompt_rows`): under w4a8 with AMX-BF16, prompt rows multiply
+        the 4-bit weights dequantized to bfloat16, about twice as fast at many rows as
+        int8 activations. A position's kernel then follows from the position alone, so the
+        runner puts prompt chunks first, the scheduler never chunks across the prompt's
+        end, and the prefix cache keeps generated blocks apart: a row's output still does
+        not depend on its batch, its chunking or a cache hit."""
+        return False
+
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         """Hidden states [T, hidden] for the flat batch, writing its KV into kv_caches."""

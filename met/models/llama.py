@@ -157,12 +157,24 @@ class DecoderLayer(nn.Module):
         next layer's input norm, or the final norm)."""
         attn, post = self.self_attn, self.post_attention_layernorm
         return FusedLayer(
-            qkv_proj=attn.qkv_proj.forward, o_proj=attn.o_proj.forward,
-            gate_up_proj=self.mlp.gate_up_proj.forward, down_proj=self.mlp.down_proj.forward,
+            qkv_proj=_rows_call(attn.qkv_proj), o_proj=_rows_call(attn.o_proj),
+            gate_up_proj=_rows_call(self.mlp.gate_up_proj),
+            down_proj=_rows_call(self.mlp.down_proj),
             cos=attn.rotary.cos, sin=attn.rotary.sin, num_heads=attn.num_heads,
+            splits_prompt_rows=all(proj.prompt_rows_fn is not None for proj in (
+                attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)),
             num_kv_heads=attn.num_kv_heads, scale=attn.scale, window=attn.sliding_window,
             post_norm=post.weight, post_eps=post.eps, next_norm=next_norm.weight,
             next_eps=next_norm.eps)
+
+
+def _rows_call(linear: Linear) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``f(x, prompt_rows)`` for `FusedLayer`: the layer's prompt-rows kernel where it has
+    one, else its forward (every row alike)."""
+    if linear.prompt_rows_fn is not None:
+        return linear.prompt_rows_fn
+    forward = linear.forward
+    return lambda x, prompt_rows: forward(x)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +182,12 @@ class FusedLayer:
     """A decoder layer's modules and tensors, looked up once for the fused bfloat16 CPU path
     (a decode step runs ~30 layers × ~10 lookups, each a few hundred ns through nn.Module)."""
 
-    qkv_proj: Callable[[torch.Tensor], torch.Tensor]  # the Linear modules' forward
-    o_proj: Callable[[torch.Tensor], torch.Tensor]
-    gate_up_proj: Callable[[torch.Tensor], torch.Tensor]
-    down_proj: Callable[[torch.Tensor], torch.Tensor]
+    # The projections as f(x, prompt_rows) (`_rows_call`; ForwardBatch.prompt_rows).
+    qkv_proj: Callable[[torch.Tensor, int], torch.Tensor]
+    o_proj: Callable[[torch.Tensor, int], torch.Tensor]
+    gate_up_proj: Callable[[torch.Tensor, int], torch.Tensor]
+    down_proj: Callable[[torch.Tensor, int], torch.Tensor]
+    splits_prompt_rows: bool  # every projection has a prompt-rows kernel
     cos: torch.Tensor  # the rotary tables, float32
     sin: torch.Tensor
     num_heads: int
@@ -248,14 +262,15 @@ class LlamaForCausalLM(CausalLM):
         first = self.model.layers[0].input_layernorm
         normed = fused_ops.rms_norm(x, first.weight, first.eps)
         positions, slots, t = batch.positions, batch.slot_mapping, x.shape[0]
+        p = batch.prompt_rows
         for layer, kv in zip(self._fused_layers, kv_caches, strict=True):
-            q = fused_ops.rope_qkv_to_cache(layer.qkv_proj(normed), positions, layer.cos,
+            q = fused_ops.rope_qkv_to_cache(layer.qkv_proj(normed, p), positions, layer.cos,
                                             layer.sin, kv, slots, layer.num_heads,
                                             layer.num_kv_heads)
             o = attend_cached(q, kv, batch, layer.scale, layer.window)
-            x, normed = fused_ops.add_rms_norm(x, layer.o_proj(o.view(t, -1)), layer.post_norm,
-                                               layer.post_eps)
-            mlp = layer.down_proj(fused_ops.silu_mul(layer.gate_up_proj(normed)))
+            x, normed = fused_ops.add_rms_norm(x, layer.o_proj(o.view(t, -1), p),
+                                               layer.post_norm, layer.post_eps)
+            mlp = layer.down_proj(fused_ops.silu_mul(layer.gate_up_proj(normed, p)), p)
             x, normed = fused_ops.add_rms_norm(x, mlp, layer.next_norm, layer.next_eps)
         return normed
 
@@ -268,6 +283,12 @@ class LlamaForCausalLM(CausalLM):
             return []
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [norm]
         return [layer.fused_plan(nxt) for layer, nxt in zip(layers, next_norms, strict=True)]
+
+    @property
+    def prompt_rows_first(self) -> bool:
+        layers = self._fused_layers
+        return (bool(layers) and all(layer.splits_prompt_rows for layer in layers)
+                and fused_ops.available(self.model.embed_tokens.weight))
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors bound above
         self.__dict__.pop("_fused_layers", None)

@@ -4,6 +4,10 @@ A request's work is always `num_tokens - num_computed_tokens`: one token for a d
 the rest of the prompt for a prefill. A non-final chunk ends on a KV block boundary so
 later chunks stay on the block grid. When blocks run out the newest running request is
 preempted: its blocks are freed (their hashes stay cached) and it re-prefills later.
+
+With ``prompt_end_apart`` (a model that runs prompt and generated positions through
+different kernels, `CausalLM.prompt_rows_first`) a chunk never holds both: the recompute of a
+preempted request runs its prompt, then its generated tokens, as separate chunks.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and running list; decides what each step computes."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prompt_end_apart: bool = False):
         self.kv = kv
+        self.prompt_end_apart = prompt_end_apart
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -77,7 +83,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys)
+            prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys,
+                                         req.num_prompt_tokens)
             if req.params.prompt_logprobs is not None:
                 prefix = []  # every prompt position must run to give its logits (as vLLM)
             start = len(prefix) * self.kv.block_size
@@ -102,10 +109,14 @@ class Scheduler:
         the whole batch's KV before any request attends, so n samples of one prompt (or
         any prompts sharing a prefix) submitted together compute that prefix once.
         """
-        self.kv.commit(req.request_id, req.all_token_ids, num_tokens, req.cache_extra_keys)
+        self.kv.commit(req.request_id, req.all_token_ids, num_tokens, req.cache_extra_keys,
+                       req.num_prompt_tokens)
 
     def _chunk_len(self, req: Request, start: int, budget: int) -> int:
-        remaining = req.num_tokens - start
+        end = req.num_tokens
+        if self.prompt_end_apart and start < req.num_prompt_tokens:
+            end = req.num_prompt_tokens
+        remaining = end - start
         if remaining <= budget:
             return remaining
         # A partial chunk stops on a block boundary; 0 if none fits in the budget.

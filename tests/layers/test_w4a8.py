@@ -119,6 +119,38 @@ def test_amx_tiles_give_the_vnni_bits(n, k):
     assert torch.equal(layer(x), layer.kernel(x, False, amx_min_rows=10**9))
 
 
+# ---- prompt rows: bfloat16 activations × the weights dequantized to bfloat16 ---------------
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_prompt_rows_multiply_bfloat16_weights_and_depend_on_their_row_alone(n, k):
+    """``prompt_rows_kernel()(x, p)``: rows [0, p) against the float32 product of the same
+    rows with the 4-bit weights rounded to bfloat16 (within one bfloat16 rounding of the
+    output, plus the dequantizing FMA's single rounding); each prompt row bitwise the same
+    alone, in any number of prompt rows and beside any generated rows; rows [p, M) bitwise
+    the int8-activation kernel's."""
+    w, b = _weights(n, k)
+    layer = Int4Dynamic(w, b)
+    f = layer.prompt_rows_kernel()
+    assert (f is not None) == (layer.native and w4a8.prompt_rows_available())
+    if f is None:  # no AMX-BF16 here: every row takes the int8-activation kernel
+        return
+    x = _x(70, k)
+    ref = x.float() @ layer.dequantized().bfloat16().float().T + b
+    every = f(x, 70)
+    assert every.dtype == torch.bfloat16
+    err = (every.float() - ref).abs()
+    assert (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all(), err.max()
+    assert torch.equal(every[2], b.bfloat16())  # zero row: only the bias
+    for rows, prompt in ((1, 1), (5, 3), (16, 16), (33, 17), (70, 31), (40, 0)):
+        got = f(x[:rows], prompt)
+        assert torch.equal(got[:prompt], every[:prompt]), (rows, prompt)
+        if prompt < rows:
+            assert torch.equal(got[prompt:], layer(x[prompt:rows])), (rows, prompt)
+    with pytest.raises(RuntimeError, match="prompt_rows"):
+        f(x[:4], 5)
+
+
 # ---- 8-bit weights in blocks (the LM head under w4a8) ------------------------------------
 
 
