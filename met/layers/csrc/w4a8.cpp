@@ -79,12 +79,14 @@ bool amx_supported() {
 #endif
 }
 
-// AMX-BF16 as well (the prompt rows' tiles).
+// AMX-BF16 and AVX512-BF16 as well (the prompt rows' tiles and their bfloat16 stores).
 bool amx_bf16_supported() {
 #if defined(__x86_64__)
   static const bool ok = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    return amx_supported() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
+    __builtin_cpu_init();
+    return amx_supported() && __builtin_cpu_supports("avx512bf16") &&
+           __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
   }();
   return ok;
 #else
@@ -430,26 +432,21 @@ MET_AMX_TARGET void amx_groups(const Problem& p, const int8_t* q, int64_t g0, in
 
 // ---- Prompt rows: bfloat16 activations × the weights dequantized to bfloat16 (AMX-BF16) ---
 #define MET_AMX_BF16_TARGET                                                                 \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-bf16")))
-
-// Float32 lanes → bfloat16 (nearest even, as store_out): the low or the high 16 bits of
-// each 32-bit lane, the other half zero.
-MET_AMX_BF16_TARGET inline __m512i bf16_low(__m512 y) {
-  const __m512i u = _mm512_castps_si512(y);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(
-      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-}
-MET_AMX_BF16_TARGET inline __m512i bf16_high(__m512 y) {
-  return _mm512_slli_epi32(bf16_low(y), 16);
-}
+  __attribute__((target(                                                                    \
+      "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-bf16")))
 
 // Group g's 4-bit weights as bfloat16 B tiles: dq[((b * 4 + j) * 16 + kk) * 16 + lane] holds
-// channel (j, lane)'s pair w(k), w(k + 1) at k = 32 b + 2 kk (low half, high half), w = d q + m.
+// channel (j, lane)'s pair w(k), w(k + 1) at k = 32 b + 2 kk (low half, high half), w = d q + m
+// rounded to nearest even.
 // A packed lane's byte i of pair-quad pq holds q(8 pq + i) (low nibble) and q(8 pq + 4 + i).
 MET_AMX_BF16_TARGET void dequant_group(const Problem& p, int64_t g, uint32_t* dq) {
   const int64_t nb = p.K / kK;
   const __m512i low4 = _mm512_set1_epi32(0x0F);
+  // cvtne2ps_pbh(wo, we) holds we in bfloat16 lanes 0-15 and wo in 16-31: lane 2 i takes
+  // we[i], lane 2 i + 1 wo[i].
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                         1, 16, 0);
   const uint8_t* w = p.w + g * nb * kBlockBytes<false>;
   const uint16_t* dp = p.d + g * nb * kGroup;
   const uint16_t* mp = p.m + g * nb * kGroup;
@@ -471,7 +468,8 @@ MET_AMX_BF16_TARGET void dequant_group(const Problem& p, int64_t g, uint32_t* dq
             const __m512 we = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qe), d, m);
             const __m512 wo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qo), d, m);
             const int kk = 4 * pq + 2 * half + pair;
-            _mm512_store_si512(dst + kk * kLanes, _mm512_or_si512(bf16_low(we), bf16_high(wo)));
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(wo, we);
+            _mm512_store_si512(dst + kk * kLanes, _mm512_permutexvar_epi16(pairs, both));
           }
       }
     }
@@ -513,12 +511,28 @@ MET_AMX_BF16_TARGET inline void bf16_rows32(const Problem& p, const uint16_t* a,
     _tile_stored(1, c[1], 64);
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
-    for (int t = 0; t < 4; ++t) {  // tile t: rows 16 (t / 2) on, channels j = jp + t % 2
-      const int64_t n = g * kGroup + (jp + t % 2) * kLanes;
-      if (n >= p.N) continue;
-      const int64_t r0 = m0 + 16 * (t / 2);
+    const int64_t n = g * kGroup + jp * kLanes;
+    for (int half = 0; half < 2; ++half) {  // rows 16 half on: tiles 2 half (j = jp), + 1
+      const int64_t r0 = m0 + 16 * half;
       const int valid = static_cast<int>(std::clamp<int64_t>(p.M - r0, 0, 16));
-      for (int r = 0; r < valid; ++r) store16(p, r0 + r, n, _mm512_load_ps(c[t] + r * kLanes));
+      const float* lo = c[2 * half];
+      const float* hi = c[2 * half + 1];
+      if (!p.out_float && p.N - n >= 2 * kLanes) {
+        // A row's 32 channels as one 64-byte store, both halves rounded by one instruction.
+        const __m512 b0 = p.bias ? _mm512_loadu_ps(p.bias + n) : _mm512_setzero_ps();
+        const __m512 b1 = p.bias ? _mm512_loadu_ps(p.bias + n + kLanes) : _mm512_setzero_ps();
+        auto* out = static_cast<uint16_t*>(p.out) + r0 * p.N + n;
+        for (int r = 0; r < valid; ++r) {
+          const __m512 y0 = _mm512_add_ps(_mm512_load_ps(lo + r * kLanes), b0);
+          const __m512 y1 = _mm512_add_ps(_mm512_load_ps(hi + r * kLanes), b1);
+          _mm512_storeu_si512(out + r * p.N, (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
+        }
+        continue;
+      }
+      for (int r = 0; r < valid; ++r) {
+        store16(p, r0 + r, n, _mm512_load_ps(lo + r * kLanes));
+        if (n + kLanes < p.N) store16(p, r0 + r, n + kLanes, _mm512_load_ps(hi + r * kLanes));
+      }
     }
   }
 }
