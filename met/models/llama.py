@@ -160,9 +160,9 @@ class DecoderLayer(nn.Module):
             qkv_proj=_rows_call(attn.qkv_proj), o_proj=_rows_call(attn.o_proj),
             gate_up_proj=_rows_call(self.mlp.gate_up_proj),
             down_proj=_rows_call(self.mlp.down_proj),
-            cos=attn.rotary.cos, sin=attn.rotary.sin, num_heads=attn.num_heads,
             splits_prompt_rows=all(proj.prompt_rows_fn is not None for proj in (
                 attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)),
+            cos=attn.rotary.cos, sin=attn.rotary.sin, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, scale=attn.scale, window=attn.sliding_window,
             post_norm=post.weight, post_eps=post.eps, next_norm=next_norm.weight,
             next_eps=next_norm.eps)

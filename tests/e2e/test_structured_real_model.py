@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from met import LLM, SamplingParams, StructuredOutputs
+from met.layers import w4a8  # noqa: F401  (read by a string xfail condition below)
 
 pytestmark = pytest.mark.slow
 
@@ -76,16 +77,22 @@ def test_regex_and_choice(llm):
 
 
 INT4_NEAR_TIE = pytest.mark.xfail(
-    reason="int4 and w4a8 (the Q4_1 integers, bfloat16 / int8 activations) start this answer "
-           "with 'L' (int4: 0.0015 nats ahead of 'The') and then ramble in French; float32, "
-           "bfloat16, int8 and w8a8 answer Paris (docs/benchmarks.md, quality of the fast "
-           "paths)",
+    reason="int4 (the Q4_1 integers, bfloat16 activations) starts this answer with 'L' "
+           "(0.0015 nats ahead of 'The') and then rambles in French; float32, bfloat16, "
+           "int8 and w8a8 answer Paris (docs/benchmarks.md, quality of the fast paths)",
+    strict=False)
+# w4a8 answers Paris where its prompt rows run on bfloat16 tiles (AMX-BF16); with int8
+# prompt rows (CPUs without AMX-BF16) it starts with 'L' as int4 does. The condition is a
+# string so that it is evaluated when the test runs (it builds the kernel), not at import.
+W4A8_INT8_PROMPT_NEAR_TIE = pytest.mark.xfail(
+    "not w4a8.prompt_rows_available()",
+    reason="w4a8 with int8-activation prompt rows starts this answer with 'L', as int4",
     strict=False)
 
 
 @pytest.mark.parametrize("quantization",
                          ["int8", pytest.param("int4", marks=INT4_NEAR_TIE), "w8a8",
-                          pytest.param("w4a8", marks=INT4_NEAR_TIE)])
+                          pytest.param("w4a8", marks=W4A8_INT8_PROMPT_NEAR_TIE)])
 def test_quantized_engines_answer_like_float32(quantization):
     q = [{"role": "user", "content": "What is the capital of France?"}]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
