@@ -8,10 +8,12 @@ in bfloat16 on the CPU:
   integers and scales times activations quantized to int8 in 32-value blocks, an 8-bit head
   in blocks (met/layers/w4a8.py), the arithmetic llama.cpp runs such a file with. Measured
   on the embedded model, same run against both peers (docs/benchmarks.md): 2.1x llama.cpp
-  at 1 stream and ahead of llama.cpp and vLLM at every concurrency up to 64; logprobs ~0.055
-  nats from float32's on average; outputs bitwise batch-invariant. bfloat16 weights
-  (``--quantization none``) are ~3x slower at 1 stream and ~1.2x faster from ~32 streams
-  on (the matrix units then pay off, and w4a8's per-block scaling does not).
+  at 1 stream and ahead of llama.cpp and vLLM at every concurrency up to 64; with AMX-BF16
+  its prompt rows run on bfloat16 tiles (prefill ~2.4x faster than int8 activations at
+  many rows); logprobs ~0.04 nats from float32's on average; outputs bitwise
+  batch-invariant. bfloat16 weights (``--quantization none``) are ~2.3x slower at 1 stream,
+  slower up to 32 streams and about even at 64 (decode at many rows on the matrix units,
+  where w4a8's per-block scaling costs more).
 - else int4 weight-only with at most GEMV_MAX_ROWS sequences (the file's own integers, few-
   row GEMV kernel).
 - else none.
@@ -58,7 +60,8 @@ def choose_quantization(net: nn.Module, dtype: torch.dtype, device: torch.device
                                           f"the GGUF, the dtype is bfloat16 and the CPU has "
                                           f"AVX512-VNNI: the file's 4-bit integers times "
                                           f"int8 activations (--quantization none: bfloat16 "
-                                          f"weights, faster from ~32 streams on)")
+                                          f"weights, slower up to ~32 streams, about even "
+                                          f"at 64)")
     if max_num_seqs > GEMV_MAX_ROWS:
         return QuantizationChoice(None, f"none: up to {max_num_seqs} sequences decode at once "
                                         f"(max_num_seqs) and this CPU has no AVX512-VNNI for "
