@@ -57,13 +57,13 @@ class EngineCore:
         self.quantization: str | None = self.loaded.quantization
         self.max_model_len = self.loaded.max_model_len
         num_blocks = self._num_blocks(dtype)
-        # A model whose prompt rows take other kernels than its generated rows (w4a8 with
-        # AMX-BF16): their KV is kept apart in the prefix cache and in scheduled chunks.
-        apart = self.loaded.model.prompt_rows_first
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 separate_generated=apart)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
                                   self.device, config.kv_cache_dtype)
+        # A model whose prompt rows take other kernels than its generated rows (w4a8 with
+        # AMX-BF16): their KV is kept apart in the prefix cache and in scheduled chunks.
+        apart = self.runner.prompt_rows_first
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 separate_generated=apart)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    prompt_end_apart=apart)
         self.sampler = Sampler(config.seed)

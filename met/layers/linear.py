@@ -208,7 +208,11 @@ class Linear(nn.Module):
         # first prompt_rows rows through bfloat16 weights (`Int4Dynamic.prompt_rows_kernel`).
         self.prompt_rows_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_rows: int = 0) -> torch.Tensor:
+        """x Wᵀ (+ b). ``prompt_rows`` > 0 (`ForwardBatch.prompt_rows`, set only for models
+        whose every projection has `prompt_rows_fn`): x's first rows through that path."""
+        if prompt_rows:
+            return self.prompt_rows_fn(x, prompt_rows)
         bf16_rows = self.bf16_rows
         if (bf16_rows is not None and x.dtype == torch.bfloat16 and x.dim() == 2
                 and x.is_contiguous()):

@@ -160,12 +160,15 @@ class _BlockKernelLinear(IntActivationLinear):
     def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.native:
             return super().bf16_rows()
-        kernel = native_op(_NAME, _SOURCE, self._op)
-        weights = tuple(getattr(self, name) for name in self._kernel_buffers)
-        bias, n = self.bias, self.out_features
+        kernel, weights, bias, n = self._bound()
         if self._takes_prompt_rows:
             return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS, 0)
         return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS)
+
+    def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
+        """What a bound kernel call needs: the op, the weight buffers, the bias, N."""
+        weights = tuple(getattr(self, name) for name in self._kernel_buffers)
+        return native_op(_NAME, _SOURCE, self._op), weights, self.bias, self.out_features
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if self.native:
@@ -177,12 +180,11 @@ class _BlockKernelLinear(IntActivationLinear):
         """The native kernel on x [M, K] contiguous bfloat16; AMX tiles from
         ``amx_min_rows`` rows on (same bits either way); the first ``prompt_rows`` rows
         through bfloat16 weights (`Int4Dynamic.prompt_rows_kernel`)."""
-        weights = (getattr(self, name) for name in self._kernel_buffers)
-        extra = (prompt_rows,) if self._takes_prompt_rows else ()
         if prompt_rows and not self._takes_prompt_rows:
             raise ValueError(f"{type(self).__name__} has no prompt-rows path")
-        return native_op(_NAME, _SOURCE, self._op)(x, *weights, self.bias, self.out_features,
-                                                   out_float, amx_min_rows, *extra)
+        kernel, weights, bias, n = self._bound()
+        extra = (prompt_rows,) if self._takes_prompt_rows else ()
+        return kernel(x, *weights, bias, n, out_float, amx_min_rows, *extra)
 
     def _torch_product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         return block_quantized_product(x, self.dequantized(), self.bias, out_float)
@@ -209,9 +211,7 @@ class Int4Dynamic(_BlockKernelLinear):
         """
         if not (self.native and prompt_rows_available()):
             return None
-        kernel = native_op(_NAME, _SOURCE, self._op)
-        weights = tuple(getattr(self, name) for name in self._kernel_buffers)
-        bias, n = self.bias, self.out_features
+        kernel, weights, bias, n = self._bound()
         return lambda x, prompt_rows: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS,
                                              prompt_rows)
 

@@ -157,9 +157,8 @@ class DecoderLayer(nn.Module):
         next layer's input norm, or the final norm)."""
         attn, post = self.self_attn, self.post_attention_layernorm
         return FusedLayer(
-            qkv_proj=_rows_call(attn.qkv_proj), o_proj=_rows_call(attn.o_proj),
-            gate_up_proj=_rows_call(self.mlp.gate_up_proj),
-            down_proj=_rows_call(self.mlp.down_proj),
+            qkv_proj=attn.qkv_proj.forward, o_proj=attn.o_proj.forward,
+            gate_up_proj=self.mlp.gate_up_proj.forward, down_proj=self.mlp.down_proj.forward,
             splits_prompt_rows=all(proj.prompt_rows_fn is not None for proj in (
                 attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)),
             cos=attn.rotary.cos, sin=attn.rotary.sin, num_heads=attn.num_heads,
@@ -168,21 +167,12 @@ class DecoderLayer(nn.Module):
             next_eps=next_norm.eps)
 
 
-def _rows_call(linear: Linear) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """``f(x, prompt_rows)`` for `FusedLayer`: the layer's prompt-rows kernel where it has
-    one, else its forward (every row alike)."""
-    if linear.prompt_rows_fn is not None:
-        return linear.prompt_rows_fn
-    forward = linear.forward
-    return lambda x, prompt_rows: forward(x)
-
-
 @dataclass(frozen=True, slots=True)
 class FusedLayer:
     """A decoder layer's modules and tensors, looked up once for the fused bfloat16 CPU path
     (a decode step runs ~30 layers × ~10 lookups, each a few hundred ns through nn.Module)."""
 
-    # The projections as f(x, prompt_rows) (`_rows_call`; ForwardBatch.prompt_rows).
+    # The Linear modules' forward(x, prompt_rows) (ForwardBatch.prompt_rows).
     qkv_proj: Callable[[torch.Tensor, int], torch.Tensor]
     o_proj: Callable[[torch.Tensor, int], torch.Tensor]
     gate_up_proj: Callable[[torch.Tensor, int], torch.Tensor]

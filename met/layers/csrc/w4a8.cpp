@@ -537,11 +537,12 @@ MET_AMX_BF16_TARGET inline void bf16_rows32(const Problem& p, const uint16_t* a,
   }
 }
 
-// Prompt rows 0..p.M of groups g0..g1 (x bfloat16 [p.M, p.K], row-major). Groups are
-// dequantized a batch at a time (up to 1 MB of bfloat16 weights); each chunk of rows then
-// runs over the batch's groups while its activations stay in L2.
-MET_AMX_BF16_TARGET void amx_bf16_groups(const Problem& p, const uint16_t* x, int64_t g0,
-                                         int64_t g1) {
+// Prompt rows 0..p.M of groups g0..g1 (x bfloat16 [p.M, p.K], row-major; `tail`: its rows
+// past the last multiple of 32, zero-padded to 32, since a tile load reads 16 whole rows).
+// Groups are dequantized a batch at a time (up to 1 MB of bfloat16 weights); each chunk of
+// rows then runs over the batch's groups while its activations stay in L2.
+MET_AMX_BF16_TARGET void amx_bf16_groups(const Problem& p, const uint16_t* x,
+                                         const uint16_t* tail, int64_t g0, int64_t g1) {
   const Bf16TileConfig config;
   _tile_loadconfig(&config);
   const int64_t nb = p.K / kK, K = p.K;
@@ -554,11 +555,7 @@ MET_AMX_BF16_TARGET void amx_bf16_groups(const Problem& p, const uint16_t* x, in
                                   std::min(batch, g1 - g0) * group_words * 4 + 64));
   auto* dq = reinterpret_cast<uint32_t*>(
       (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
-  // The last rows past a multiple of 32 go through a zero-padded copy: a tile load reads 16
-  // whole rows.
   const int64_t full = p.M / 32 * 32;
-  std::vector<uint16_t> tail(p.M > full ? 32 * K : 0, 0);
-  if (!tail.empty()) std::memcpy(tail.data(), x + full * K, (p.M - full) * K * 2);
   // ~512 KB of activations per chunk (measured at 1,760 rows of the embedded model's
   // shapes: 128 KB 8.2 ms, 512 KB 7.1-7.4, 1 MB 7.5-7.8 for a layer's four projections).
   const int64_t chunk_rows = std::max<int64_t>(32, (int64_t{512} << 10) / (K * 2) / 32 * 32);
@@ -568,8 +565,7 @@ MET_AMX_BF16_TARGET void amx_bf16_groups(const Problem& p, const uint16_t* x, in
     for (int64_t c0 = 0; c0 < p.M; c0 += chunk_rows)
       for (int64_t g = b0; g < b1; ++g)
         for (int64_t m0 = c0; m0 < std::min(p.M, c0 + chunk_rows); m0 += 32)
-          bf16_rows32(p, m0 < full ? x + m0 * K : tail.data(), dq + (g - b0) * group_words, g,
-                      m0);
+          bf16_rows32(p, m0 < full ? x + m0 * K : tail, dq + (g - b0) * group_words, g, m0);
   }
   _tile_release();
 }
@@ -583,8 +579,7 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu() &&
                   x.is_contiguous(),
               op, ": x must be a contiguous 2-D bfloat16 CPU tensor");
-  int64_t M = x.size(0);
-  const int64_t K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kK == 0, op, ": K must be a multiple of 32, got ", K);
   const int64_t groups = (N + kGroup - 1) / kGroup, nb = K / kK;
   const int64_t block_bytes = q8 ? kBlockBytes<true> : kBlockBytes<false>;
@@ -607,50 +602,51 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
 #if defined(__x86_64__)
-  // Rows [0, P) through the bfloat16 tiles; the rest quantized, as below, from row P on.
-  const int64_t P = prompt_rows;
-  const auto* x_all = static_cast<const uint16_t*>(x.data_ptr());
+  // Rows [0, P) through the bfloat16 tiles (`prompt`); the R rows after them quantized (`p`).
+  const int64_t P = prompt_rows, R = M - P;
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   char* out_all = static_cast<char*>(out.data_ptr());
-  const Problem prompt{nullptr, packed.data_ptr<uint8_t>(),
-                       static_cast<const uint16_t*>(d.data_ptr()),
-                       m == nullptr ? nullptr : static_cast<const uint16_t*>(m->data_ptr()),
-                       bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                       out_all, P, K, N, out_float, false, nullptr, nullptr, nullptr};
-  M -= P;
-  const bool amx = M >= amx_min_rows && amx_supported();
+  Problem prompt{nullptr, packed.data_ptr<uint8_t>(), static_cast<const uint16_t*>(d.data_ptr()),
+                 m == nullptr ? nullptr : static_cast<const uint16_t*>(m->data_ptr()),
+                 bias.has_value() ? bias->data_ptr<float>() : nullptr, out_all, P, K, N,
+                 out_float, false, nullptr, nullptr, nullptr};
+  // The prompt rows past the last multiple of 32, zero-padded to 32 rows.
+  const int64_t full = P / 32 * 32;
+  std::vector<uint16_t> tail(P > full ? 32 * K : 0, 0);
+  if (!tail.empty()) std::memcpy(tail.data(), xp + full * K, (P - full) * K * 2);
+  const bool amx = R >= amx_min_rows && amx_supported();
   // The AMX tiles read 16 rows at a time: zero rows pad q to a multiple of 16.
-  std::vector<int8_t> q((amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M) * K, 0);
+  std::vector<int8_t> q((amx ? (R + kAmxRows - 1) / kAmxRows * kAmxRows : R) * K, 0);
   // Block scales per row: [row][block] for the VNNI path (read through QuantRow), or the
   // tiles' [tile][block][16 rows] (Problem::tile_s), quantize_row writing either directly.
   const int64_t padded_rows = static_cast<int64_t>(q.size()) / K;
   std::vector<float> s(padded_rows * nb, 0.0f), sq(s.size(), 0.0f);
   std::vector<int32_t> qsum(s.size(), 0);
-  std::vector<QuantRow> rows(amx ? 0 : M);
-  const uint16_t* xp = x_all + P * K;
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+  std::vector<QuantRow> rows(amx ? 0 : R);
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = amx ? (r / kAmxRows) * nb * kAmxRows + r % kAmxRows : r * nb;
-      quantize_row(xp + r * K, K, q.data() + r * K, s.data() + o, sq.data() + o,
+      quantize_row(xp + (P + r) * K, K, q.data() + r * K, s.data() + o, sq.data() + o,
                    qsum.data() + o, amx ? kAmxRows : 1);
       if (!amx) {
         rows[r] = QuantRow{q.data() + r * K, s.data() + o, sq.data() + o, qsum.data() + o};
       }
     }
   });
-  const Problem p{rows.data(), packed.data_ptr<uint8_t>(),
-                  static_cast<const uint16_t*>(d.data_ptr()),
-                  m == nullptr ? nullptr : static_cast<const uint16_t*>(m->data_ptr()),
-                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                  out_all + P * N * (out_float ? 4 : 2), M, K, N, out_float,
-                  out_float && M * N * 4 > kStreamOutBytes, s.data(), sq.data(), qsum.data()};
+  Problem p = prompt;  // the same weights, bias and shape; R rows from row P on
+  p.rows = rows.data();
+  p.out = out_all + P * N * (out_float ? 4 : 2);
+  p.M = R;
+  p.stream_out = out_float && R * N * 4 > kStreamOutBytes;
+  p.tile_s = s.data();
+  p.tile_sq = sq.data();
+  p.tile_qsum = qsum.data();
   // Tasks own whole channel groups and run every row: the thread split never changes a sum.
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if (P > 0) amx_bf16_groups(prompt, x_all, g0, g1);
-    if (M == 0) {
-      // every row was a prompt row
-    } else if (amx) {
+    if (P > 0) amx_bf16_groups(prompt, xp, tail.data(), g0, g1);
+    if (R > 0 && amx) {
       q8 ? amx_groups<true>(p, q.data(), g0, g1) : amx_groups<false>(p, q.data(), g0, g1);
-    } else {
+    } else if (R > 0) {
       for (int64_t g = g0; g < g1; ++g) q8 ? group_rows<true>(p, g) : group_rows<false>(p, g);
     }
     _mm_sfence();  // the streaming stores are visible before the task counts as done
