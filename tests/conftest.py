@@ -1,8 +1,9 @@
 """Shared pytest fixtures.
 
-``tiny_checkpoint(arch) -> Path``: a session-scoped factory that builds (once per session
-per arch) a tiny random Hugging Face checkpoint + tokenizer of ``arch`` (see
-tests/tiny_models.py for the archs and how they are made decisive) and returns its directory.
+``tiny_checkpoint(arch, head_dim=16) -> Path``: a session-scoped factory that builds (once per
+session per arch and head_dim) a tiny random Hugging Face checkpoint + tokenizer of ``arch``
+(see tests/tiny_models.py for the archs and how they are made decisive) and returns its
+directory.
 ``ckpt``: the tiny Llama's directory (a module may override it). ``start_server(args)``:
 runs `met serve` as a subprocess (tests/api/serve_harness.py), stopped at the end of the
 module.
@@ -23,20 +24,22 @@ for _path in (_TESTS_DIR, str(Path(_TESTS_DIR) / "api")):
         sys.path.insert(0, _path)
 
 from serve_harness import ServerProcess  # noqa: E402  (needs the path above)
-from tiny_models import ARCHS, build_tiny_checkpoint  # noqa: E402
+from tiny_models import ARCHS, HEAD_DIM, build_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory fixture: ``tiny_checkpoint("qwen3") -> Path`` of a built checkpoint dir."""
-    built: dict[str, Path] = {}
+    built: dict[tuple[str, int], Path] = {}
 
-    def get(arch: str) -> Path:
+    def get(arch: str, head_dim: int = HEAD_DIM) -> Path:
         if arch not in ARCHS:
             raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
-        if arch not in built:
-            built[arch] = build_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
-        return built[arch]
+        key = (arch, head_dim)
+        if key not in built:
+            built[key] = build_tiny_checkpoint(
+                arch, tmp_path_factory.mktemp(f"tiny-{arch}-hd{head_dim}"), head_dim=head_dim)
+        return built[key]
 
     return get
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from met.layers.batch import ForwardBatch
 from met.layers.cpu_decode_attention import decode_attention
+from met.layers.cpu_prompt_attention import prompt_attention, prompt_attention_applies
 from met.layers.kv_cache import KVCache, gather_kv, write_kv
 
 __all__ = ["KVCache", "attend_cached", "paged_attention"]
@@ -42,12 +43,27 @@ def attend_cached(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` once the step's keys and values are already in the cache."""
+    """`paged_attention` once the step's keys and values are already in the cache.
+
+    A model that runs prompt rows through their own kernels (`ForwardBatch.prompt_rows`)
+    has them attended by the prompt-attention kernel where it applies (a bfloat16 cache on
+    an AMX-BF16 CPU, full attention); every other row as before."""
     gqa = q.shape[1] != kv_cache.k.shape[0]
-    plan = batch.window_plan(sliding_window)
-    if not plan.per_seq:  # a pure decode step: one call, rows already in order
+    first = batch.prompt_rows
+    if not (first and sliding_window is None and prompt_attention_applies(q, kv_cache)):
+        first = 0
+    prompt_out = None
+    if first:
+        chunks = batch.prompt_chunks()
+        prompt_out = prompt_attention(q[:first], kv_cache, chunks.slots, chunks.bounds, scale)
+        if first == q.shape[0]:
+            return prompt_out
+    plan = batch.window_plan(sliding_window, first)
+    if not plan.per_seq and prompt_out is None:  # a pure decode step: one call, rows in order
         return decode_attention(q, kv_cache, plan.decode_slots, plan.decode_offsets, scale)
     out = torch.empty_like(q)
+    if prompt_out is not None:
+        out[:first] = prompt_out
     if plan.decode_rows.numel():
         # All decodes in one call: per-request results, without a Python loop per request.
         out[plan.decode_rows] = decode_attention(

@@ -24,6 +24,16 @@ class WindowPlan:
 
 
 @dataclass(frozen=True)
+class PromptChunks:
+    """The prompt chunks of a step (batch rows [0, prompt_rows)) for the prompt-attention
+    kernel (met.layers.cpu_prompt_attention): per chunk, its first row, its number of rows,
+    its context length and where its context's slots start in ``slots``."""
+
+    slots: torch.Tensor  # long: every prompt chunk's context slots, one after another
+    bounds: torch.Tensor  # long [n, 4]: q_start, q_len, ctx_len, slot start
+
+
+@dataclass(frozen=True)
 class SeqSpan:
     """One request's slice of the flat batch.
 
@@ -62,16 +72,35 @@ class ForwardBatch:
     # positions), by key: computed by the first layer that needs them.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def window_plan(self, window: int | None) -> WindowPlan:
-        """The attention plan for layers with this sliding window (None = full attention).
+    def window_plan(self, window: int | None, first_row: int = 0) -> WindowPlan:
+        """The attention plan for layers with this sliding window (None = full attention),
+        for the sequences whose rows start at ``first_row`` or later (the rows before it are
+        prompt chunks attended by `prompt_chunks`' kernel, or none).
 
         Keys older than the window of a sequence's first query are dropped from its slots.
         """
-        key = ("window_plan", window)
+        key = ("window_plan", window, first_row)
         plan = self.memo.get(key)
         if plan is None:
-            plan = self.memo[key] = _build_plan(self.seqs, window, self.row_attention)
+            seqs = tuple(s for s in self.seqs if s.q_start >= first_row)
+            plan = self.memo[key] = _build_plan(seqs, window, self.row_attention)
         return plan
+
+    def prompt_chunks(self) -> PromptChunks:
+        """The prompt chunks (rows [0, prompt_rows)) as the prompt-attention kernel takes
+        them."""
+        chunks = self.memo.get("prompt_chunks")
+        if chunks is None:
+            spans = [s for s in self.seqs if s.q_start < self.prompt_rows]
+            starts = [0]
+            for span in spans[:-1]:
+                starts.append(starts[-1] + span.ctx_len)
+            chunks = self.memo["prompt_chunks"] = PromptChunks(
+                slots=torch.cat([s.ctx_slots for s in spans]),
+                bounds=torch.tensor([[s.q_start, s.q_len, s.ctx_len, start]
+                                     for s, start in zip(spans, starts, strict=True)],
+                                    dtype=torch.long))
+        return chunks
 
 
 def _build_plan(seqs: tuple[SeqSpan, ...], window: int | None,

@@ -3,14 +3,18 @@ a prompt position and a generated one go through different kernels, so a request
 and logprobs must still be bitwise the same alone, batched, chunked, after a preemption
 (whose recompute runs generated tokens as generated rows) and on prefix-cache hits, including
 a multi-turn prompt that repeats an earlier reply (whose blocks were computed as generated
-rows and are not served to a prompt)."""
+rows and are not served to a prompt). Each test runs on the tiny Llama with 16-dim heads
+(prompt rows attend one by one through the decode kernel) and with 64-dim heads (prompt rows
+attend on AMX-BF16 tiles, met.layers.cpu_prompt_attention, where the CPU has them)."""
 
 from __future__ import annotations
 
 import pytest
 
+import met.layers.attention as attention
 from met import LLM, SamplingParams
 from met.layers import w4a8
+from met.layers.cpu_prompt_attention import prompt_attention_available
 
 TOP2 = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 BLOCK = 16
@@ -28,9 +32,14 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = TOP2):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
+@pytest.fixture(scope="module", params=[16, 64], ids=["head_dim16", "head_dim64"])
+def head_dim(request) -> int:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def make(tiny_checkpoint):
-    model = str(tiny_checkpoint("llama"))
+def make(tiny_checkpoint, head_dim):
+    model = str(tiny_checkpoint("llama", head_dim=head_dim))
 
     def build(**kw) -> LLM:
         kw.setdefault("max_model_len", 256)
@@ -51,6 +60,23 @@ def test_the_split_runs_where_the_cpu_has_amx_bf16(make):
     assert llm.engine.scheduler.prompt_end_apart == llm.engine.runner.prompt_rows_first
 
 
+def test_prompt_rows_attend_on_tiles_where_heads_are_64_wide(make, head_dim, monkeypatch):
+    calls = []
+    tiles = attention.prompt_attention
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return tiles(q, *args)
+
+    monkeypatch.setattr(attention, "prompt_attention", counting)
+    llm = make(enable_prefix_caching=False)
+    _run(llm, _prompts()[:2])
+    expected = head_dim == 64 and llm.engine.runner.prompt_rows_first
+    assert expected == (head_dim == 64 and prompt_attention_available())
+    # Two layers, each attending both prompts' rows in one call (one step: 3 + 16 rows).
+    assert calls == ([19, 19] if expected else [])
+
+
 def test_batched_and_chunked_equal_alone_bit_for_bit(make, alone):
     llm = make(enable_prefix_caching=False)
     assert _run(llm, _prompts()) == alone
@@ -58,11 +84,11 @@ def test_batched_and_chunked_equal_alone_bit_for_bit(make, alone):
     assert _run(make(enable_prefix_caching=False, max_num_batched_tokens=16), _prompts()) == alone
 
 
-def test_preemption_recomputes_generated_tokens_as_generated_rows(make, alone):
-    # 10 blocks of 16 tokens (bfloat16: k, v × 2 layers × 16 slots × 2 kv heads × 16 dims ×
+def test_preemption_recomputes_generated_tokens_as_generated_rows(make, alone, head_dim):
+    # 10 blocks of 16 tokens (bfloat16: k, v × 2 layers × 16 slots × 2 kv heads × head_dim ×
     # 2 bytes each) for 7 requests of up to 6 blocks: the scheduler must preempt, and the
     # recompute of a request's generated tokens must give their KV bit for bit again.
-    per_block = 2 * 2 * BLOCK * 2 * 16 * 2
+    per_block = 2 * 2 * BLOCK * 2 * head_dim * 2
     llm = make(enable_prefix_caching=False, kv_cache_memory=10 * per_block)
     assert llm.kv_stats().num_blocks_total == 10
     assert _run(llm, _prompts()) == alone
