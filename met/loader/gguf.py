@@ -1,8 +1,9 @@
 """Load a GGUF checkpoint: config, tokenizer and float32 weights under Hugging Face names.
 
-The config and tokenizer come from transformers' own GGUF support; the weights are read here,
-one tensor at a time, so that loading a model never holds more than one dequantized tensor
-beyond what the caller keeps.
+The config and tokenizer come from transformers' own GGUF support; the file's own metadata
+and the weights are read here (met.loader.gguf_file, one pass over a memory map), one tensor at
+a time, so that loading a model never holds more than one dequantized tensor beyond what the
+caller keeps.
 
 llama.cpp's converter changes some tensors on the way into GGUF; this module undoes that so
 every tensor matches the layout of the original Hugging Face checkpoint:
@@ -20,12 +21,14 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import gguf
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from met.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "llama",
@@ -114,15 +117,13 @@ class GGUFCheckpoint:
         reuse model.embed_tokens.weight. MoE experts are yielded one expert at a time as
         model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight.
         """
-        reader = gguf.GGUFReader(self.path)
-        arch = _architecture(reader)
-        n_head = int(_field(reader, f"{arch}.attention.head_count"))
-        n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+        file = read_gguf(self.path)
+        arch = _architecture(file)
+        n_head = int(file.get(f"{arch}.attention.head_count"))
+        n_head_kv = int(file.get(f"{arch}.attention.head_count_kv", n_head))
         block_names = _block_names(arch)
-        # The parsed metadata (mostly the vocabulary, ~600 MiB of small numpy objects for a
-        # 262k-token vocab) is not needed past this point; the tensors keep their own info.
-        reader.fields.clear()
-        for tensor in reader.tensors:
+        file.fields.clear()  # the vocabulary is not needed past this point
+        for tensor in file.tensors:
             yield from _convert(tensor, arch, block_names, n_head, n_head_kv)
 
 
@@ -133,9 +134,9 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     Raises ValueError if the file's architecture is not one of SUPPORTED_ARCHITECTURES.
     """
     path = os.fspath(path)
-    reader = gguf.GGUFReader(path)
+    file = read_gguf(path)
     # Check the architecture before transformers does, so the error names what *we* support.
-    _architecture(reader)
+    _architecture(file)
     eos_keys = (
         gguf.Keys.Tokenizer.EOS_ID,
         gguf.Keys.Tokenizer.EOT_ID,
@@ -143,12 +144,11 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     )
     eos_token_ids: list[int] = []
     for key in eos_keys:
-        token_id = _field(reader, key)
+        token_id = file.get(key)
         if token_id is not None and int(token_id) not in eos_token_ids:
             eos_token_ids.append(int(token_id))
-    chat_template = _field(reader, gguf.Keys.Tokenizer.CHAT_TEMPLATE)
-    # The reader memory-maps the whole file; drop it before transformers opens its own.
-    del reader
+    chat_template = file.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
+    del file  # the memory map of the whole file: dropped before transformers opens its own
 
     directory, name = os.path.split(os.path.abspath(path))
     return GGUFCheckpoint(
@@ -160,14 +160,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     )
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    """The value of a metadata key, or default when the file does not have it."""
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
-def _architecture(reader: gguf.GGUFReader) -> str:
-    arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
+def _architecture(file: GGUFFile) -> str:
+    arch = file.get(gguf.Keys.General.ARCHITECTURE)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; "
@@ -182,7 +176,7 @@ def _block_names(arch: str) -> dict[str, str]:
 
 
 def _convert(
-    tensor: gguf.ReaderTensor,
+    tensor: GGUFTensor,
     arch: str,
     block_names: Mapping[str, str],
     n_head: int,
@@ -233,7 +227,7 @@ class Q4Blocks(NamedTuple):
     minimum: torch.Tensor  # float32 [N, K / 32]
 
 
-def q4_blocks(tensor: gguf.ReaderTensor) -> Q4Blocks | None:
+def q4_blocks(tensor: GGUFTensor) -> Q4Blocks | None:
     """The integers of a 2-D Q4_0 / Q4_1 tensor (None for any other type)."""
     kind = tensor.tensor_type
     if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
@@ -256,7 +250,7 @@ def q4_blocks(tensor: gguf.ReaderTensor) -> Q4Blocks | None:
 
 
 def _dequantize(
-    data: np.ndarray, tensor: gguf.ReaderTensor, leading_dims_dropped: int = 0
+    data: np.ndarray, tensor: GGUFTensor, leading_dims_dropped: int = 0
 ) -> torch.Tensor:
     """Dequantize raw GGUF data to a float32 torch tensor in HF (row-major, [out, in]) shape.
 

@@ -92,10 +92,11 @@ def test_q4_1_gguf_tensor_keeps_its_integers():
     import gguf
 
     from met.loader.gguf import q4_blocks
+    from met.loader.gguf_file import read_gguf
     from met.loader.resolve import default_model_path
 
-    reader = gguf.GGUFReader(str(default_model_path()))
-    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    tensor = next(t for t in read_gguf(default_model_path()).tensors
+                  if t.name == "blk.0.ffn_up.weight")
     blocks = q4_blocks(tensor)
     assert blocks is not None
     w = (blocks.q.float() * blocks.scale.repeat_interleave(32, 1)
