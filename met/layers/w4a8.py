@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from met.layers.int_activations import IntActivationLinear
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_w4a8_v9"
+_NAME = "met_w4a8_v10"
 _SOURCE = "w4a8.cpp"
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
