@@ -1,6 +1,7 @@
 """Load a GGUF checkpoint: config, tokenizer and float32 weights under Hugging Face names.
 
-The config and tokenizer come from transformers' own GGUF support; the file's own metadata
+The config and tokenizer come from transformers' own GGUF support (converted once per file and
+kept on disk: met.loader.gguf_hf_cache); the file's own metadata
 and the weights are read here (met.loader.gguf_file, one pass over a memory map), one tensor at
 a time, so that loading a model never holds more than one dequantized tensor beyond what the
 caller keeps.
@@ -26,9 +27,10 @@ from typing import NamedTuple
 import gguf
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from met.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
+from met.loader.gguf_hf_cache import load_config_and_tokenizer
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "llama",
@@ -150,10 +152,10 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     chat_template = file.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
     del file  # the memory map of the whole file: dropped before transformers opens its own
 
-    directory, name = os.path.split(os.path.abspath(path))
+    config, tokenizer = load_config_and_tokenizer(path)
     return GGUFCheckpoint(
-        config=AutoConfig.from_pretrained(directory, gguf_file=name),
-        tokenizer=AutoTokenizer.from_pretrained(directory, gguf_file=name),
+        config=config,
+        tokenizer=tokenizer,
         chat_template=chat_template,
         eos_token_ids=eos_token_ids,
         path=path,
