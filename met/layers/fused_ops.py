@@ -26,7 +26,7 @@ import torch
 from met.layers.kv_cache import KVCache
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_fused_ops_v5"
+_NAME = "met_fused_ops_v6"
 
 
 def _ops():

@@ -56,7 +56,7 @@ def test_add_rms_norm_returns_the_exact_sum_and_its_norm(t, d):
     assert torch.allclose(normed.float(), norm(x + delta).float(), rtol=2**-7, atol=0)
 
 
-@pytest.mark.parametrize("width", [3072, 128, 34, 18])
+@pytest.mark.parametrize("width", [3072, 170, 128, 34, 18])  # 170: 64 + 16 + 5 per half
 @pytest.mark.parametrize("t", ROWS)
 def test_silu_mul_is_bitwise_silu_times_up(t, width):
     gate_up = _bf16(t, width, scale=4.0)
