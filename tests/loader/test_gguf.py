@@ -187,3 +187,22 @@ def test_unknown_architecture_is_rejected(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "phi.gguf", "phi3", 2, 2, {"output_norm.weight": np.ones(4)})
     with pytest.raises(ValueError, match="supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_types_dequantize_to_gguf_py_values(kind: str) -> None:
+    """met dequantizes these types itself (torch, all cores); the values must be gguf-py's,
+    bit for bit, including all-equal and all-zero blocks."""
+    from met.loader.gguf import _dequantize_blocks_torch
+
+    quant_type = gguf.GGMLQuantizationType[kind]
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((48, 256)).astype(np.float32) * 0.1
+    w[0, :32] = 0.0
+    w[1, 32:64] = 0.25
+    data = gguf.quants.quantize(w, quant_type)
+    expected = gguf.quants.dequantize(data, quant_type)
+    got = _dequantize_blocks_torch(data, quant_type)
+    assert got.dtype == torch.float32 and torch.equal(got.reshape(expected.shape),
+                                                      torch.from_numpy(expected))
+    assert _dequantize_blocks_torch(data, gguf.GGMLQuantizationType.Q5_K) is None
