@@ -1,0 +1,73 @@
+"""The w4a8 kernel (met/layers/csrc/w4a8.cpp) on one decoder layer's four projections of the
+embedded model (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536) and on its 8-bit LM
+head (49,152×576), at several row counts.
+
+    python benchmarks/w4a8_linear.py [--rows 1,4,16,64,512] [--threads 2] [--reps 9]
+        [--amx-min-rows N]
+
+Weights are random (the kernel's speed does not depend on their values); activations are
+bfloat16. Each row count times the four projections back to back, five times in a row
+(cache-hot: one layer's weights are ~2 MB), then the head (its 28 MB come from memory), best
+of --reps each. By default the tiles stay off (--amx-min-rows above every row count), so the
+VNNI path is what is timed on any CPU; --amx-min-rows 32 times what the engine runs on an AMX
+CPU. Prints one JSON line per row count: layer_ms, layer_gmacs, head_ms, head_gmacs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from met.layers.w4a8 import Int4Dynamic, Int8Blocks, available
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
+VOCAB, HIDDEN = 49152, 576
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,16,64,512")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--amx-min-rows", type=int, default=1 << 30)
+    args = parser.parse_args()
+    if not available():
+        raise SystemExit("w4a8 kernel unavailable: this CPU has no AVX512-VNNI (or no compiler)")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layers = [Int4Dynamic(torch.randn(n, k) * 0.05, None) for n, k in SHAPES]
+    head = Int8Blocks(torch.randn(VOCAB, HIDDEN) * 0.05, None)
+    calls = []  # each projection's op bound once, as the engine binds it (bf16_rows)
+    for layer in layers:
+        kernel, weights, bias, n = layer._bound()
+        calls.append(lambda x, k=kernel, w=weights, b=bias, n=n:
+                     k(x, *w, b, n, False, args.amx_min_rows, 0))
+    head_kernel, head_weights, _, _ = head._bound()
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(rows, k).bfloat16() for _, k in SHAPES]
+        xh = torch.randn(rows, HIDDEN).bfloat16()
+        layer_s = head_s = float("inf")
+        for _ in range(args.reps):  # the layer 5 times in a row (cache-hot), then the head
+            start = time.perf_counter()
+            for _ in range(5):
+                for call, x in zip(calls, xs, strict=True):
+                    call(x)
+            layer_s = min(layer_s, (time.perf_counter() - start) / 5)
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            head_kernel(xh, *head_weights, None, VOCAB, True, args.amx_min_rows)
+            head_s = min(head_s, time.perf_counter() - start)
+        macs = rows * sum(n * k for n, k in SHAPES)
+        print(json.dumps({"rows": rows, "threads": args.threads,
+                          "layer_ms": round(layer_s * 1e3, 4),
+                          "layer_gmacs": round(macs / layer_s / 1e9, 1),
+                          "head_ms": round(head_s * 1e3, 3),
+                          "head_gmacs": round(rows * VOCAB * HIDDEN / head_s / 1e9, 1)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
