@@ -2,7 +2,7 @@
 
     python benchmarks/offline_throughput.py [--model PATH] [--num-prompts 64] [--isl 128]
         [--osl 128] [--dtype float32] [--quantization none] [--kv-cache-dtype auto|int8]
-        [--hf-dtype DTYPE] [--hf-batch-size 64] [--skip-hf]
+        [--hf-dtype DTYPE] [--hf-batch-size 64] [--skip-hf] [--repeats N]
 
 transformers runs in --hf-dtype (default: --dtype; float32 for auto), so met's fast path can
 be set against transformers' exact float32, e.g. ``--dtype bfloat16 --quantization w4a8
@@ -10,7 +10,10 @@ be set against transformers' exact float32, e.g. ``--dtype bfloat16 --quantizati
 
 Prompts are random token ids of exactly --isl tokens (no padding needed on either side);
 every request generates exactly --osl tokens (ignore_eos / min_new_tokens). Prints one
-JSON line per engine and the speed-up.
+JSON line per engine and the speed-up; with --repeats N both models stay loaded, the engines
+alternate N times (a shared host's speed drifts by tens of percent within minutes: a single
+pair of runs decides nothing near a bar), and a last line gives the medians and the range of
+the per-pair speed-ups.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def run_met(args, llm, prompts) -> dict:
             "total_tok_s": (n_out + len(prompts) * args.isl) / elapsed}
 
 
-def run_hf(args, prompts) -> dict:
+def load_hf(args):
     from transformers import AutoModelForCausalLM
 
     from met.loader.resolve import resolve_model
@@ -59,7 +62,10 @@ def run_hf(args, prompts) -> dict:
                                                      gguf_file=src.path.name, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(src.path), **kwargs)
-    model.eval()
+    return model.eval()
+
+
+def run_hf(args, model, prompts) -> dict:
     n_out = 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -70,7 +76,7 @@ def run_hf(args, prompts) -> dict:
                                  do_sample=False, pad_token_id=0)
             n_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
     elapsed = time.perf_counter() - start
-    return {"engine": "transformers", "dtype": str(kwargs["dtype"]).removeprefix("torch."),
+    return {"engine": "transformers", "dtype": str(model.dtype).removeprefix("torch."),
             "hf_batch_size": args.hf_batch_size, "seconds": elapsed, "output_tokens": n_out,
             "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_out + len(prompts) * args.isl) / elapsed}
@@ -92,6 +98,9 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
                    help="transformers' dtype (default: --dtype)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each engine, alternating met / transformers, then a "
+                        "summary line with medians and the per-pair speed-up range")
     args = p.parse_args()
 
     from met import LLM
@@ -103,15 +112,31 @@ def main() -> None:
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "torch": torch.__version__, "threads": torch.get_num_threads()}
     print(json.dumps({"machine": machine, "args": vars(args)}))
-    met_res = run_met(args, llm, prompts)
-    print(json.dumps(met_res))
-    del llm
-    if not args.skip_hf:
-        hf_res = run_hf(args, prompts)
-        print(json.dumps(hf_res))
-        speedup = met_res["output_tok_s"] / hf_res["output_tok_s"]
-        print(json.dumps({"speedup_output_tok_s": speedup}))
+    hf_model = None if args.skip_hf else load_hf(args)
+    met_runs, hf_runs = [], []
+    for run in range(args.repeats):  # met and transformers alternate: both see each window
+        met_runs.append(run_met(args, llm, prompts))
+        print(json.dumps({**met_runs[-1], "run": run} if args.repeats > 1 else met_runs[-1]))
+        if hf_model is not None:
+            hf_runs.append(run_hf(args, hf_model, prompts))
+            print(json.dumps({**hf_runs[-1], "run": run} if args.repeats > 1 else hf_runs[-1]))
+            print(json.dumps({"speedup_output_tok_s": met_runs[-1]["output_tok_s"]
+                              / hf_runs[-1]["output_tok_s"]}))
+    if args.repeats > 1:
+        summary = {"met_output_tok_s_median": _median([r["output_tok_s"] for r in met_runs])}
+        if hf_runs:
+            ratios = [m["output_tok_s"] / h["output_tok_s"]
+                      for m, h in zip(met_runs, hf_runs, strict=True)]
+            summary.update(hf_output_tok_s_median=_median([r["output_tok_s"] for r in hf_runs]),
+                           speedup_median=_median(ratios), speedup_min=min(ratios),
+                           speedup_max=max(ratios))
+        print(json.dumps(summary))
 
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 if __name__ == "__main__":
     main()
