@@ -97,6 +97,10 @@ _EXPERT_NAMES: Mapping[str, str] = MappingProxyType(
 # factors, which HF recomputes from config.rope_scaling.
 _SKIPPED_TENSORS = frozenset({"rope_freqs"})
 
+_Q = gguf.GGMLQuantizationType
+# Bytes per 32-value block: float16 d [, float16 m], then 16 nibble bytes (Q4) or 32 int8s.
+_BLOCK_BYTES = {_Q.Q4_0: 18, _Q.Q4_1: 20, _Q.Q8_0: 34}
+
 
 @dataclass
 class GGUFCheckpoint:
@@ -207,8 +211,9 @@ def _convert(
         raise ValueError(f"unexpected GGUF tensor {tensor.name!r} for architecture {arch!r}")
 
     hf_name = f"{prefix}.{block_names[part]}.{kind}"
-    weight = _dequantize(tensor.data, tensor)
-    blocks = q4_blocks(tensor)
+    parsed = _parse_blocks(np.asarray(tensor.data), tensor.tensor_type)  # once, for both
+    weight = _dequantize(tensor.data, tensor, parsed=parsed)
+    blocks = q4_blocks(tensor, parsed)
     if arch in _QK_PERMUTED_ARCHITECTURES and part in ("attn_q", "attn_k"):
         heads = n_head if part == "attn_q" else n_head_kv
         weight = _unpermute_qk(weight, heads)
@@ -229,40 +234,36 @@ class Q4Blocks(NamedTuple):
     minimum: torch.Tensor  # float32 [N, K / 32]
 
 
-def q4_blocks(tensor: GGUFTensor) -> Q4Blocks | None:
-    """The integers of a 2-D Q4_0 / Q4_1 tensor (None for any other type)."""
+def q4_blocks(tensor: GGUFTensor, parsed: _Blocks | None = None) -> Q4Blocks | None:
+    """The integers of a 2-D Q4_0 / Q4_1 tensor (None for any other type); ``parsed``: its
+    data's `_parse_blocks`, when the caller has it already."""
     kind = tensor.tensor_type
-    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+    if kind not in (_Q.Q4_0, _Q.Q4_1) or np.ndim(tensor.data) != 2:
         return None
-    raw = np.asarray(tensor.data)
-    if raw.ndim != 2:
-        return None
-    with_min = kind == gguf.GGMLQuantizationType.Q4_1
-    size = 20 if with_min else 18
-    blocks = raw.reshape(raw.shape[0], -1, size)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = blocks[..., 4:] if with_min else blocks[..., 2:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(raw.shape[0], -1)
-    if with_min:
-        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    else:  # Q4_0: w = scale · (q − 8)
-        minimum = -8.0 * scale
-    return Q4Blocks(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scale),
-                    torch.from_numpy(np.ascontiguousarray(minimum)))
+    if parsed is None:
+        parsed = _parse_blocks(np.asarray(tensor.data), kind)
+    rows = tensor.data.shape[0]
+    scale = parsed.d.reshape(rows, -1)
+    # Q4_0: w = scale · (q − 8)
+    minimum = parsed.m.reshape(rows, -1) if parsed.m is not None else -8.0 * scale
+    return Q4Blocks(parsed.q.reshape(rows, -1), scale, minimum)
 
 
 def _dequantize(
-    data: np.ndarray, tensor: GGUFTensor, leading_dims_dropped: int = 0
+    data: np.ndarray, tensor: GGUFTensor, leading_dims_dropped: int = 0,
+    parsed: _Blocks | None = None,
 ) -> torch.Tensor:
     """Dequantize raw GGUF data to a float32 torch tensor in HF (row-major, [out, in]) shape.
 
     ggml lists dimensions innermost first, so the torch shape is the GGUF shape reversed.
-    leading_dims_dropped says how many outer dimensions `data` has already been indexed away.
+    leading_dims_dropped says how many outer dimensions `data` has already been indexed away;
+    parsed is `data`'s `_parse_blocks` when the caller has it.
     """
     shape = tuple(int(d) for d in reversed(tensor.shape))[leading_dims_dropped:]
-    fast = _dequantize_blocks_torch(np.asarray(data), tensor.tensor_type)
-    if fast is not None:
-        return fast.reshape(shape)
+    if parsed is None:
+        parsed = _parse_blocks(np.asarray(data), tensor.tensor_type)
+    if parsed is not None:
+        return _dequantize_parsed(parsed).reshape(shape)
     array = np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
     if not array.flags.writeable:
         # F32 tensors come back as views of the read-only memory map; copy so the tensor owns
@@ -271,17 +272,18 @@ def _dequantize(
     return torch.from_numpy(array.reshape(shape))
 
 
-_Q = gguf.GGMLQuantizationType
-# Bytes per 32-value block: float16 d [, float16 m], then 16 nibble bytes (Q4) or 32 int8s.
-_TORCH_BLOCKS = {_Q.Q4_0: 18, _Q.Q4_1: 20, _Q.Q8_0: 34}
+class _Blocks(NamedTuple):
+    """Q4_0 / Q4_1 / Q8_0 data as torch tensors, one row per 32-value block."""
+
+    kind: gguf.GGMLQuantizationType
+    q: torch.Tensor  # [blocks, 32]: uint8 0..15 (values 0-15, then 16-31) or int8 (Q8_0)
+    d: torch.Tensor  # float32 [blocks, 1]
+    m: torch.Tensor | None  # float32 [blocks, 1] (Q4_1's minimum), else None
 
 
-def _dequantize_blocks_torch(raw: np.ndarray, kind: gguf.GGMLQuantizationType
-                             ) -> torch.Tensor | None:
-    """Q4_0 / Q4_1 / Q8_0 data dequantized with torch (all cores, no per-block numpy
-    temporaries): the float32 operations of gguf-py's dequantize_blocks, in its order, so the
-    same values (~6x faster; ~0.7 s of the embedded model's startup). None for other types."""
-    size = _TORCH_BLOCKS.get(kind)
+def _parse_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType) -> _Blocks | None:
+    """Split raw Q4_0 / Q4_1 / Q8_0 bytes into integers and scales (None for other types)."""
+    size = _BLOCK_BYTES.get(kind)
     if size is None:
         return None
     raw = np.ascontiguousarray(raw)
@@ -290,13 +292,29 @@ def _dequantize_blocks_torch(raw: np.ndarray, kind: gguf.GGMLQuantizationType
     blocks = torch.from_numpy(raw.reshape(-1, size))
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()
     if kind == _Q.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+        return _Blocks(kind, blocks[:, 2:].contiguous().view(torch.int8), d, None)
     nibbles = blocks[:, size - 16:]
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1)  # values 0-15, then 16-31
-    if kind == _Q.Q4_0:
-        return d * (q.to(torch.int8) - 8).float()
-    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return d * q.float() + m
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float() if kind == _Q.Q4_1 else None
+    return _Blocks(kind, q, d, m)
+
+
+def _dequantize_parsed(blocks: _Blocks) -> torch.Tensor:
+    """float32 [blocks, 32] with torch (all cores, no per-block numpy temporaries): the
+    float32 operations of gguf-py's dequantize_blocks, in its order, so the same values (~6x
+    faster; ~0.7 s of the embedded model's startup)."""
+    if blocks.kind == _Q.Q8_0:
+        return blocks.q.float() * blocks.d
+    if blocks.kind == _Q.Q4_0:
+        return blocks.d * (blocks.q.to(torch.int8) - 8).float()
+    return blocks.d * blocks.q.float() + blocks.m
+
+
+def _dequantize_blocks_torch(raw: np.ndarray, kind: gguf.GGMLQuantizationType
+                             ) -> torch.Tensor | None:
+    """`_dequantize_parsed` of raw bytes; None for types other than Q4_0 / Q4_1 / Q8_0."""
+    parsed = _parse_blocks(raw, kind)
+    return None if parsed is None else _dequantize_parsed(parsed)
 
 
 def _unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
