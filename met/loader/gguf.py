@@ -310,13 +310,6 @@ def _dequantize_parsed(blocks: _Blocks) -> torch.Tensor:
     return blocks.d * blocks.q.float() + blocks.m
 
 
-def _dequantize_blocks_torch(raw: np.ndarray, kind: gguf.GGMLQuantizationType
-                             ) -> torch.Tensor | None:
-    """`_dequantize_parsed` of raw bytes; None for types other than Q4_0 / Q4_1 / Q8_0."""
-    parsed = _parse_blocks(raw, kind)
-    return None if parsed is None else _dequantize_parsed(parsed)
-
-
 def _unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (works for weights [out, in] and biases [out]).
 

@@ -193,7 +193,7 @@ def test_unknown_architecture_is_rejected(tmp_path: Path) -> None:
 def test_block_types_dequantize_to_gguf_py_values(kind: str) -> None:
     """met dequantizes these types itself (torch, all cores); the values must be gguf-py's,
     bit for bit, including all-equal and all-zero blocks."""
-    from met.loader.gguf import _dequantize_blocks_torch
+    from met.loader.gguf import _dequantize_parsed, _parse_blocks
 
     quant_type = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(3)
@@ -202,7 +202,7 @@ def test_block_types_dequantize_to_gguf_py_values(kind: str) -> None:
     w[1, 32:64] = 0.25
     data = gguf.quants.quantize(w, quant_type)
     expected = gguf.quants.dequantize(data, quant_type)
-    got = _dequantize_blocks_torch(data, quant_type)
+    got = _dequantize_parsed(_parse_blocks(data, quant_type))
     assert got.dtype == torch.float32 and torch.equal(got.reshape(expected.shape),
                                                       torch.from_numpy(expected))
-    assert _dequantize_blocks_torch(data, gguf.GGMLQuantizationType.Q5_K) is None
+    assert _parse_blocks(data, gguf.GGMLQuantizationType.Q5_K) is None
