@@ -104,12 +104,24 @@ struct QuantRow {
   const int32_t* qsum;   // [K / 32] 128 · sum of the block's q (the 8-bit weights' offset)
 };
 
-// Row x (bfloat16, K values, K % 32 == 0) -> q, and block b's s, sq, qsum at [b * stride].
-MET_VNNI_TARGET void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* s,
+// Sixteen values of x: float32, or bfloat16 widened exactly.
+template <typename T>
+MET_VNNI_TARGET inline __m512 load16(const T* x) {
+  if constexpr (sizeof(T) == 4) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(x));
+  } else {
+    return widen_bf16(x);
+  }
+}
+
+// Row x (bfloat16 or float32, K values, K % 32 == 0) -> q, and block b's s, sq, qsum at
+// [b * stride].
+template <typename T>
+MET_VNNI_TARGET void quantize_row(const T* x, int64_t K, int8_t* q, float* s,
                                   float* sq, int32_t* qsum, int64_t stride) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < K / kK; ++b) {
-    const __m512 v0 = widen_bf16(x + b * kK), v1 = widen_bf16(x + b * kK + 16);
+    const __m512 v0 = load16(x + b * kK), v1 = load16(x + b * kK + 16);
     const float absmax = _mm512_reduce_max_ps(
         _mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
     const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
@@ -235,31 +247,64 @@ MET_VNNI_TARGET void tile(const Problem& p, int64_t g, int64_t m0, int j0 = 0) {
   }
 }
 
-// Every row of blocks j0..j0+JB of group g, for each j0 in turn.
+// Rows r0..r1 of blocks j0..j0+JB of group g (r1 - r0 a multiple of four unless r1 == M).
 template <bool kQ8, int JB>
-MET_VNNI_TARGET void rows_of_blocks(const Problem& p, int64_t g) {
-  for (int j0 = 0; j0 < kBlocks && g * kGroup + j0 * kLanes < p.N; j0 += JB) {
-    int64_t r = 0;
-    for (; r + kTileRows <= p.M; r += kTileRows) tile<kTileRows, kQ8, JB>(p, g, r, j0);
-    switch (p.M - r) {
-      case 1: tile<1, kQ8, JB>(p, g, r, j0); break;
-      case 2: tile<2, kQ8, JB>(p, g, r, j0); break;
-      case 3: tile<3, kQ8, JB>(p, g, r, j0); break;
-      default: break;
-    }
+MET_VNNI_TARGET void rows_of_blocks(const Problem& p, int64_t g, int64_t r0, int64_t r1,
+                                    int j0) {
+  int64_t r = r0;
+  for (; r + kTileRows <= r1; r += kTileRows) tile<kTileRows, kQ8, JB>(p, g, r, j0);
+  switch (r1 - r) {
+    case 1: tile<1, kQ8, JB>(p, g, r, j0); break;
+    case 2: tile<2, kQ8, JB>(p, g, r, j0); break;
+    case 3: tile<3, kQ8, JB>(p, g, r, j0); break;
+    default: break;
   }
 }
 
+// Every row of blocks j0..j1 of group g.
 template <bool kQ8>
-MET_VNNI_TARGET void group_rows(const Problem& p, int64_t g) {
-  // From 8 rows of 4-bit weights on, two 16-channel blocks per pass: a tile's accumulators,
-  // integer sums and unpacked weights then fit in the 32 vector registers (9-12% faster than
-  // four blocks at 16-512 rows on Zen 4, the same bits). Fewer rows, and 8-bit weights (no
-  // unpacking to share), take all four blocks in one pass.
-  if (!kQ8 && p.M >= 8) {
-    rows_of_blocks<kQ8, 2>(p, g);
-  } else {
-    rows_of_blocks<kQ8, kBlocks>(p, g);
+MET_VNNI_TARGET void blocks_all_rows(const Problem& p, int64_t g, int j0, int j1) {
+  switch (j1 - j0) {
+    case 1: rows_of_blocks<kQ8, 1>(p, g, 0, p.M, j0); break;
+    case 2: rows_of_blocks<kQ8, 2>(p, g, 0, p.M, j0); break;
+    case 3: rows_of_blocks<kQ8, 3>(p, g, 0, p.M, j0); break;
+    case 4: rows_of_blocks<kQ8, 4>(p, g, 0, p.M, j0); break;
+    default: break;
+  }
+}
+
+// From 8 rows of 4-bit weights on, two 16-channel blocks per pass: a tile's accumulators,
+// integer sums and unpacked weights then fit in the 32 vector registers (9-12% faster than
+// four blocks at 16-512 rows on Zen 4, the same bits). Fewer rows, and 8-bit weights (no
+// unpacking to share), take all four blocks in one pass.
+template <bool kQ8>
+constexpr bool two_block_passes(int64_t M) { return !kQ8 && M >= 8; }
+
+// The VNNI path's work as units numbered group-major: from 8 rows on a unit is one four-row
+// tile of a group (every block), below that one 16-channel block of a group (every row). A
+// task runs units u0..u1, so threads get equal shares where whole groups would not split
+// evenly (a 576-wide projection's 9 groups went 5 + 4 on two threads). The units only decide
+// which thread computes a row's channels, never how: a row's outputs stay the same bits.
+MET_VNNI_TARGET inline int64_t units_per_group(int64_t M) {
+  return M >= 8 ? (M + kTileRows - 1) / kTileRows : kBlocks;
+}
+
+template <bool kQ8>
+MET_VNNI_TARGET void vnni_units(const Problem& p, int64_t u0, int64_t u1) {
+  const int64_t per_group = units_per_group(p.M);
+  for (int64_t u = u0; u < u1;) {
+    const int64_t g = u / per_group, first = u % per_group;
+    const int64_t last = std::min(per_group, first + (u1 - u));  // this group's units: [first, last)
+    u += last - first;
+    if (p.M >= 8) {
+      const int64_t r0 = first * kTileRows, r1 = std::min(p.M, last * kTileRows);
+      constexpr int kPass = two_block_passes<kQ8>(8) ? 2 : kBlocks;
+      for (int j0 = 0; j0 < kBlocks && g * kGroup + j0 * kLanes < p.N; j0 += kPass)
+        rows_of_blocks<kQ8, kPass>(p, g, r0, r1, j0);
+    } else {
+      const int64_t valid = std::min<int64_t>(kBlocks, (p.N - g * kGroup + kLanes - 1) / kLanes);
+      if (first < valid) blocks_all_rows<kQ8>(p, g, first, std::min(last, valid));
+    }
   }
 }
 
@@ -592,9 +637,10 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
                const at::Tensor& d, const at::Tensor* m, const std::optional<at::Tensor>& bias,
                int64_t N, bool out_float, int64_t amx_min_rows, int64_t prompt_rows) {
   TORCH_CHECK(supported(), op, ": this CPU has no AVX512-VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu() &&
-                  x.is_contiguous(),
-              op, ": x must be a contiguous 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 ||
+                               x.scalar_type() == at::kFloat) &&
+                  x.is_cpu() && x.is_contiguous(),
+              op, ": x must be a contiguous 2-D bfloat16 or float32 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kK == 0, op, ": K must be a multiple of 32, got ", K);
   const int64_t groups = (N + kGroup - 1) / kGroup, nb = K / kK;
@@ -613,8 +659,9 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
               op, ": bias must be float32 [groups * 64]");
   TORCH_CHECK(prompt_rows >= 0 && prompt_rows <= M, op, ": prompt_rows must be in [0, ", M,
               "], got ", prompt_rows);
-  TORCH_CHECK(prompt_rows == 0 || (!q8 && amx_bf16_supported()), op,
-              ": prompt rows need 4-bit weights and AMX-BF16");
+  TORCH_CHECK(prompt_rows == 0 || (!q8 && amx_bf16_supported() &&
+                                    x.scalar_type() == at::kBFloat16),
+              op, ": prompt rows need 4-bit weights, bfloat16 rows and AMX-BF16");
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
 #if defined(__x86_64__)
@@ -642,8 +689,13 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = amx ? (r / kAmxRows) * nb * kAmxRows + r % kAmxRows : r * nb;
-      quantize_row(xp + (P + r) * K, K, q.data() + r * K, s.data() + o, sq.data() + o,
-                   qsum.data() + o, amx ? kAmxRows : 1);
+      if (x.scalar_type() == at::kFloat) {
+        quantize_row(x.data_ptr<float>() + r * K, K, q.data() + r * K, s.data() + o,
+                     sq.data() + o, qsum.data() + o, amx ? kAmxRows : 1);
+      } else {
+        quantize_row(xp + (P + r) * K, K, q.data() + r * K, s.data() + o, sq.data() + o,
+                     qsum.data() + o, amx ? kAmxRows : 1);
+      }
       if (!amx) {
         rows[r] = QuantRow{q.data() + r * K, s.data() + o, sq.data() + o, qsum.data() + o};
       }
@@ -657,29 +709,36 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
   p.tile_s = s.data();
   p.tile_sq = sq.data();
   p.tile_qsum = qsum.data();
-  // Tasks own whole channel groups and run every row: the thread split never changes a sum.
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  // Tasks own whole channel groups (tiles) or units of them (VNNI, `vnni_units`) and run
+  // every row: the thread split never changes a sum.
+  if (P > 0 || (R > 0 && amx)) at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (P > 0) amx_bf16_groups(prompt, xp, tail.data(), g0, g1);
     if (R > 0 && amx) {
       q8 ? amx_groups<true>(p, q.data(), g0, g1) : amx_groups<false>(p, q.data(), g0, g1);
-    } else if (R > 0) {
-      for (int64_t g = g0; g < g1; ++g) q8 ? group_rows<true>(p, g) : group_rows<false>(p, g);
     }
     _mm_sfence();  // the streaming stores are visible before the task counts as done
   });
+  if (R > 0 && !amx) {
+    at::parallel_for(0, groups * units_per_group(R), 1, [&](int64_t u0, int64_t u1) {
+      q8 ? vnni_units<true>(p, u0, u1) : vnni_units<false>(p, u0, u1);
+      _mm_sfence();
+    });
+  }
 #endif
   return out;
 }
 
-// x bfloat16 [M, K] times 4-bit weights (packed nibbles, d, m: see the top) -> [M, N].
+// x bfloat16 or float32 [M, K] times 4-bit weights (packed nibbles, d, m: see the top)
+// -> [M, N].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                   const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t N,
                   bool out_float, int64_t amx_min_rows, int64_t prompt_rows) {
   return run("w4a8", false, x, packed, d, &m, bias, N, out_float, amx_min_rows, prompt_rows);
 }
 
-// x bfloat16 [M, K] times 8-bit weights w = d · q (GGUF Q8_0's form): packed[g][b][quad][j]
-// [lane][4] holds q(k = 32 b + 4 quad + i) + 128 as unsigned bytes; d float16 as for 4 bits.
+// x bfloat16 or float32 [M, K] times 8-bit weights w = d · q (GGUF Q8_0's form):
+// packed[g][b][quad][j][lane][4] holds q(k = 32 b + 4 quad + i) + 128 as unsigned bytes; d
+// float16 as for 4 bits.
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                      const std::optional<at::Tensor>& bias, int64_t N, bool out_float,
                      int64_t amx_min_rows) {
