@@ -68,9 +68,10 @@ class EngineConfig:
     cache_dir: str | None = None
     seed: int = 0
     # "int8" / "int4": weight-only quantized linear layers; "w8a8" / "w4a8": int8 / 4-bit
-    # weights and int8 activations; "none" or None: off; "auto": the loader picks w4a8 (int4
-    # without AVX512-VNNI) for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU serving at most 16
-    # sequences, else none (see met/loader/auto_quant)
+    # weights and int8 activations; "none" or None: off; "auto": the loader picks w4a8 for a
+    # Q4_0/Q4_1 GGUF on a CPU with AVX512-VNNI or AVX2 (in float32 where --dtype auto chose
+    # it), int4 without them when serving at most 16 sequences in bfloat16, else none (see
+    # met/loader/auto_quant)
     quantization: str | None = "auto"
     # "auto": the KV cache in the model's dtype; "int8": int8 rows with a float32 scale each
     # (met/layers/kv_cache.py), about half the bytes per token
@@ -105,5 +106,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto" and self.quantization in QUANTIZATIONS:
-            return torch.bfloat16  # the quantized kernels take bfloat16 activations
+            if (self.quantization == "w4a8" and self.device == "cpu"
+                    and not cpu_has_native_bf16()):
+                return torch.float32  # w4a8 quantizes float32 rows too; bf16 is emulated here
+            return torch.bfloat16  # the other quantized kernels take bfloat16 activations
         return resolve_dtype(self.dtype, self.device)

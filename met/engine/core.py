@@ -51,7 +51,7 @@ class EngineCore:
         dtype = config.torch_dtype
         self.loaded = loaded or load_model(
             config.model, dtype, self.device, config.max_model_len, config.cache_dir,
-            config.quantization, config.max_num_seqs)
+            config.quantization, config.max_num_seqs, config.dtype == "auto")
         # What the model runs with: config's "auto" values resolved for this machine and file.
         self.dtype: torch.dtype = dtype
         self.quantization: str | None = self.loaded.quantization

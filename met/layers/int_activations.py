@@ -1,5 +1,6 @@
 """What the layers with int8 activations (w8a8, w4a8) share: the shape handling around a
-kernel that takes contiguous 2-D bfloat16 rows and returns bfloat16 or float32."""
+kernel that takes contiguous 2-D bfloat16 rows (and, where ``takes_float32``, float32 rows)
+and returns bfloat16 or float32."""
 
 from __future__ import annotations
 
@@ -15,8 +16,14 @@ class IntActivationLinear(nn.Module, ABC):
     (the LM head's logits); subclasses set ``out_features`` and implement ``_product``."""
 
     out_features: int
+    # The kernel quantizes float32 rows itself (w4a8): a float32 model's activations go in
+    # as they are and come out float32, instead of through bfloat16.
+    takes_float32 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.takes_float32:
+            y = self._product(x.reshape(-1, x.shape[-1]).contiguous(), out_float=True)
+            return y.reshape(*x.shape[:-1], self.out_features)
         # The decode step's 2-D contiguous bfloat16 rows need no reshape or cast.
         plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
         x2 = x if plain else x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
@@ -25,7 +32,8 @@ class IntActivationLinear(nn.Module, ABC):
 
     def float_product(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ in float32 [M, N]."""
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        keep = x.dtype == torch.float32 and self.takes_float32
+        x2 = x.reshape(-1, x.shape[-1]).to(x.dtype if keep else torch.bfloat16).contiguous()
         return self._product(x2, out_float=True)
 
     def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -35,7 +43,8 @@ class IntActivationLinear(nn.Module, ABC):
 
     @abstractmethod
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
-        """x [M, K] contiguous bfloat16 times the weights (+ bias)."""
+        """x [M, K] contiguous bfloat16 (or float32, where ``takes_float32``) times the
+        weights (+ bias)."""
 
     def pack(self) -> None:
         """Nothing to re-lay out: the kernels' layouts are built at construction (called by

@@ -168,7 +168,7 @@ QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8Dynamic
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's own blocked layout of a bfloat16 CPU weight [N, K], or None where oneDNN
-    is unavailable (then F.linear stays the path).
+    is unavailable or has no bfloat16 kernels for this CPU (then F.linear stays the path).
 
     ``F.linear`` on a plain bfloat16 weight re-lays the weight out for the matrix units on
     every call; multiplying a pre-laid-out copy (what torch.compile's CPU freezing does)
@@ -177,8 +177,9 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     37.9 → 18.2 ms at 64 rows (docs/benchmarks.md).
     """
     if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16
-            or not torch.backends.mkldnn.is_available()):
-        return None
+            or not torch.backends.mkldnn.is_available()
+            or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return None  # e.g. an AVX2-only CPU: oneDNN has no bfloat16 path there
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 

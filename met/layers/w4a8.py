@@ -8,8 +8,11 @@ of 32 with its own scale when the layer runs. VPDPBUSD sums the products of the 
 order. One kernel runs every number of rows, so a row's output is bitwise the same in any
 batch (from `AMX_MIN_ROWS` rows on, AMX-INT8 tiles compute the same exact integer sums and
 the same float steps follow). It reads half a byte per weight (plus float16 d and m per 32):
-decode at few rows is memory-bound, and this is the smallest read of met's paths. Without
-AVX512-VNNI (or a compiler) a plain-PyTorch path computes the same formula (not bitwise the
+decode at few rows is memory-bound, and this is the smallest read of met's paths. On CPUs
+with AVX2 but no AVX512-VNNI, csrc/w4a8_avx2.cpp computes the same integer sums with
+VPMADDUBSW and the same float steps: the same bits. Both take bfloat16 or float32 rows
+(float32 on CPUs without native bfloat16, where the model runs in float32). Without either
+ISA (or a compiler) a plain-PyTorch path computes the same formula (not bitwise the
 kernel's).
 
 The LM head is `Int8Blocks`: 8-bit weights in 32-value blocks (GGUF Q8_0's form, the head
@@ -20,6 +23,7 @@ benchmarks.md); per-row int8 activations (w8a8) cost ~0.2.
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from collections.abc import Callable
 
@@ -29,8 +33,9 @@ import torch.nn.functional as F
 from met.layers.int_activations import IntActivationLinear
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_w4a8_v10"
-_SOURCE = "w4a8.cpp"
+# The AVX512-VNNI kernel (with AMX tiles where present) and, for CPUs with AVX2 only, the
+# same ops, layout and bits from VPMADDUBSW (`_kernel_source` picks one).
+_KERNELS = (("met_w4a8_v12", "w4a8.cpp"), ("met_w4a8_avx2_v1", "w4a8_avx2.cpp"))
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
 # From this many rows on, AMX-INT8 tiles (where the CPU has them) compute the block sums:
@@ -42,17 +47,36 @@ BLOCK = 32  # weights / activations per scale
 AMX_MIN_ROWS = 32
 
 
+@functools.cache
+def _kernel_source() -> tuple[str, str] | None:
+    """(op namespace, csrc file) of the kernel for this CPU: w4a8.cpp where it has
+    AVX512-VNNI, else w4a8_avx2.cpp where it has AVX2 (+ FMA, F16C); None without either or
+    without a compiler. The AVX-512 file is only built where torch reports AVX-512."""
+    candidates = _KERNELS if torch.backends.cpu.get_cpu_capability() == "AVX512" else _KERNELS[1:]
+    for name, source in candidates:
+        ops = load_native_ops(name, source)
+        if ops is not None and bool(ops.supported()):
+            return name, source
+    return None
+
+
 def available() -> bool:
-    """True when this CPU has AVX512-VNNI and the kernel builds (compiles on first call)."""
-    ops = load_native_ops(_NAME, _SOURCE)
-    return ops is not None and bool(ops.supported())
+    """True when this CPU has AVX512-VNNI or AVX2 and the kernel builds (compiles on first
+    call)."""
+    return _kernel_source() is not None
+
+
+def kernel_isa() -> str | None:
+    """"avx512-vnni" or "avx2": which kernel runs here (None: the plain-PyTorch path)."""
+    source = _kernel_source()
+    return None if source is None else ("avx2" if source[1] == "w4a8_avx2.cpp" else "avx512-vnni")
 
 
 def prompt_rows_available() -> bool:
     """True when the kernel can run prompt rows through bfloat16 weights (AMX-BF16 tiles):
     `Int4Dynamic.prompt_rows_kernel`."""
-    ops = load_native_ops(_NAME, _SOURCE)
-    return ops is not None and bool(ops.supported()) and bool(ops.amx_bf16_supported())
+    source = _kernel_source()
+    return source is not None and bool(load_native_ops(*source).amx_bf16_supported())
 
 
 def fit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,6 +147,7 @@ class _BlockKernelLinear(IntActivationLinear):
     _op: str  # the kernel's op in csrc/w4a8.cpp
     _kernel_buffers: tuple[str, ...]  # the weight buffers the op takes, in order
     _takes_prompt_rows = False  # the op's last argument is prompt_rows (4-bit weights)
+    takes_float32 = True  # both kernels and block_quantized_product quantize float32 rows
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -168,7 +193,7 @@ class _BlockKernelLinear(IntActivationLinear):
     def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
         """What a bound kernel call needs: the op, the weight buffers, the bias, N."""
         weights = tuple(getattr(self, name) for name in self._kernel_buffers)
-        return native_op(_NAME, _SOURCE, self._op), weights, self.bias, self.out_features
+        return native_op(*_kernel_source(), self._op), weights, self.bias, self.out_features
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if self.native:
@@ -177,7 +202,7 @@ class _BlockKernelLinear(IntActivationLinear):
 
     def kernel(self, x: torch.Tensor, out_float: bool, amx_min_rows: int,
                prompt_rows: int = 0) -> torch.Tensor:
-        """The native kernel on x [M, K] contiguous bfloat16; AMX tiles from
+        """The native kernel on x [M, K] contiguous bfloat16 or float32; AMX tiles from
         ``amx_min_rows`` rows on (same bits either way); the first ``prompt_rows`` rows
         through bfloat16 weights (`Int4Dynamic.prompt_rows_kernel`)."""
         if prompt_rows and not self._takes_prompt_rows:

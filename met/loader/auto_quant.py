@@ -17,6 +17,12 @@ in bfloat16 on the CPU:
 - else int4 weight-only with at most GEMV_MAX_ROWS sequences (the file's own integers, few-
   row GEMV kernel).
 - else none.
+
+In float32 (what ``--dtype auto`` picks on a CPU without native bfloat16, e.g. AMD Zen 2/3):
+w4a8 where a kernel runs (AVX2 is enough: csrc/w4a8_avx2.cpp), quantizing the float32 rows
+directly, the same arithmetic as llama.cpp on such a CPU; the rest of the model stays
+float32. Only when the dtype came from auto: ``--dtype float32`` asked for by name is the
+exact reference and keeps its float32 weights.
 """
 
 from __future__ import annotations
@@ -39,34 +45,47 @@ class QuantizationChoice:
 
 
 def choose_quantization(net: nn.Module, dtype: torch.dtype, device: torch.device,
-                        max_num_seqs: int = 64) -> QuantizationChoice:
-    """w4a8 (or, without AVX512-VNNI and with few sequences at once, int4) when every linear
-    layer of the loaded (not yet prepared) model holds Q4_0 / Q4_1 integers from its GGUF,
-    activations are bfloat16 and the device is the CPU; else none."""
+                        max_num_seqs: int = 64, dtype_from_auto: bool = False
+                        ) -> QuantizationChoice:
+    """w4a8 (or, without a w4a8 kernel and with few sequences at once, int4) when every
+    linear layer of the loaded (not yet prepared) model holds Q4_0 / Q4_1 integers from its
+    GGUF, activations are bfloat16 (or float32 that ``--dtype auto`` chose: then w4a8 only)
+    and the device is the CPU; else none."""
     linears = [m for name, m in net.named_modules()
                if isinstance(m, Linear) and name != "lm_head"]  # the head is 8-bit either way
     q4 = sum(getattr(m.weight, "q4_blocks", None) is not None for m in linears)
     if not linears or q4 < len(linears):
         return QuantizationChoice(None, f"none: not a Q4_0/Q4_1 GGUF ({q4} of {len(linears)} "
                                         f"linear weights are Q4_0/Q4_1)")
-    if dtype != torch.bfloat16:
-        name = str(dtype).removeprefix("torch.")
-        return QuantizationChoice(None, f"none: the quantized kernels take bfloat16 "
-                                        f"activations and the dtype is {name}")
     if device.type != "cpu":
         return QuantizationChoice(None, "none: the quantized kernels run on the CPU only")
+    if dtype == torch.float32 and dtype_from_auto and w4a8.available():
+        return QuantizationChoice("w4a8", f"w4a8: all {q4} linear weights are Q4_0/Q4_1 in "
+                                          f"the GGUF and this CPU has no native bfloat16, so "
+                                          f"the model runs in float32 and its rows are "
+                                          f"quantized to int8 per 32 values for the file's "
+                                          f"4-bit integers ({w4a8.kernel_isa()} kernel; "
+                                          f"--dtype float32 keeps float32 weights, the exact "
+                                          f"reference)")
+    if dtype != torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        why = (" (asked for by name: the exact reference)"
+               if dtype == torch.float32 and not dtype_from_auto else "")
+        return QuantizationChoice(None, f"none: the quantized kernels take bfloat16 "
+                                        f"activations and the dtype is {name}{why}")
     if w4a8.available():
         return QuantizationChoice("w4a8", f"w4a8: all {q4} linear weights are Q4_0/Q4_1 in "
                                           f"the GGUF, the dtype is bfloat16 and the CPU has "
-                                          f"AVX512-VNNI: the file's 4-bit integers times "
-                                          f"int8 activations (--quantization none: bfloat16 "
-                                          f"weights, slower up to ~32 streams, about even "
-                                          f"at 64)")
+                                          f"{w4a8.kernel_isa()}: the file's 4-bit integers "
+                                          f"times int8 activations (--quantization none: "
+                                          f"bfloat16 weights, slower up to ~32 streams, about "
+                                          f"even at 64)")
     if max_num_seqs > GEMV_MAX_ROWS:
         return QuantizationChoice(None, f"none: up to {max_num_seqs} sequences decode at once "
-                                        f"(max_num_seqs) and this CPU has no AVX512-VNNI for "
-                                        f"w4a8; int4 weight-only pays with max_num_seqs <= "
-                                        f"{GEMV_MAX_ROWS}")
+                                        f"(max_num_seqs) and this CPU has no w4a8 kernel "
+                                        f"(AVX512-VNNI or AVX2); int4 weight-only pays "
+                                        f"with max_num_seqs <= {GEMV_MAX_ROWS}")
     return QuantizationChoice("int4", f"int4: all {q4} linear weights are Q4_0/Q4_1 in the "
                                       f"GGUF and the dtype is bfloat16, so int4 keeps the "
-                                      f"file's own integers exactly (no AVX512-VNNI for w4a8)")
+                                      f"file's own integers exactly (no AVX512-VNNI or AVX2 "
+                                      f"for w4a8)")

@@ -32,11 +32,13 @@ class LoadedModel:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None, cache_dir: str | None = None,
-               quantization: str | None = None, max_num_seqs: int = 64) -> LoadedModel:
+               quantization: str | None = None, max_num_seqs: int = 64,
+               dtype_from_auto: bool = False) -> LoadedModel:
     """Resolve, read config/tokenizer, build the model class and load weights into it.
 
     quantization is "int8", "int4", "w8a8", "w4a8", None, or "auto" (decided here from the loaded
-    weights and ``max_num_seqs``, the most sequences the engine will decode at once).
+    weights and ``max_num_seqs``, the most sequences the engine will decode at once;
+    ``dtype_from_auto``: the dtype is ``--dtype auto``'s pick, not one asked for by name).
     """
     source = resolve_model(model, cache_dir)
     if source.kind == "gguf":
@@ -70,7 +72,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         net = cls(config, dtype, max_positions=max_len)
     net.load_weights(weights)
     if quantization == "auto":
-        choice = choose_quantization(net, dtype, device, max_num_seqs)
+        choice = choose_quantization(net, dtype, device, max_num_seqs, dtype_from_auto)
         log.info("quantization auto → %s", choice.reason)
         quantization = choice.quantization
     net.prepare(quantization)

@@ -205,3 +205,56 @@ def test_lm_head_of_w4a8_is_8_bit_blocks():
     assert logits.dtype == torch.float32
     exact = x.float() @ w.bfloat16().float().T
     assert torch.allclose(logits, exact, atol=0.02 * logits.abs().max())
+
+
+# ---- float32 rows and the AVX2 kernel ----------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("cls", [Int4Dynamic, Int8Blocks])
+def test_float32_rows_are_quantized_directly_with_the_same_guarantees(n, k, cls):
+    """A float32 model (w4a8 where the CPU has no native bfloat16) passes float32 rows: each
+    row bitwise the same alone or batched, float32 out, the block formula on the float32
+    values; rows that bfloat16 holds exactly give the bfloat16 rows' bits."""
+    w, b = _weights(n, k)
+    layer = cls(w, b)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(7)) * 3
+    every = layer(x)
+    assert every.dtype == torch.float32 and every.shape == (40, n)
+    for rows in (1, 2, 3, 5, 8, 11):
+        assert torch.equal(layer(x[3:3 + rows]), every[3:3 + rows]), rows
+    formula = w4a8.block_quantized_product(x, layer.dequantized(), layer.bias, True)
+    assert torch.allclose(every, formula, rtol=1e-5, atol=1e-5 * formula.abs().max())
+    held = x.bfloat16()
+    assert torch.equal(layer(held.float()), layer.float_product(held))
+
+
+def test_every_kernel_this_cpu_runs_gives_the_same_bits():
+    """csrc/w4a8.cpp (AVX512-VNNI) and csrc/w4a8_avx2.cpp compute the same exact integer sums
+    and the same float steps: where a CPU runs both, their outputs are equal bit for bit
+    (4-bit and 8-bit weights, bfloat16 and float32 rows and outputs). Every x86-64 machine
+    met is tested on runs at least the AVX2 one, and auto picks the best it has."""
+    from met.layers.native import load_native_ops
+
+    ran = []
+    w, b = _weights(200, 96)
+    x16 = _x(13, 96)
+    for name, source in w4a8._KERNELS:
+        ops = load_native_ops(name, source)
+        if ops is None or not ops.supported():
+            continue
+        int4 = Int4Dynamic(w, b)
+        int8 = Int8Blocks(w, b)
+        outs = []
+        for x in (x16, x16.float() * 1.5):
+            for out_float in (False, True):
+                outs.append(ops.linear(x, int4.packed, int4.d, int4.m, int4.bias, 200,
+                                       out_float, 10**9, 0))
+                outs.append(ops.linear_q8(x, int8.packed, int8.d, int8.bias, 200, out_float,
+                                          10**9))
+        ran.append((source, outs))
+    assert ran, "no w4a8 kernel runs on this CPU"
+    assert w4a8.kernel_isa() == ("avx512-vnni" if ran[0][0] == "w4a8.cpp" else "avx2")
+    for source, outs in ran[1:]:
+        for got, want in zip(outs, ran[0][1], strict=True):
+            assert torch.equal(got, want), source
