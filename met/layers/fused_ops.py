@@ -1,4 +1,4 @@
-"""Fused bfloat16 element-wise ops of a decoder layer on CPU (csrc/fused_ops.cpp).
+"""Fused element-wise ops of a decoder layer on CPU (csrc/fused_ops.cpp), bfloat16 or float32.
 
 At decode batch sizes a layer's RMSNorms, rope, SiLU · up and KV-cache writes are dozens of
 tiny ATen calls whose Python dispatch costs more than their arithmetic; at large batches they
@@ -14,9 +14,11 @@ are as many passes over the activations. These ops do each chain in one call:
   for bit), rotated queries returned [T, H, D].
 
 They round like the ATen chains they replace (rope, SiLU · up and the residual add bit for
-bit; RMSNorm within one bfloat16 ulp) and compute each row alone, so results do not depend
-on the batch. ``available(x)`` says whether they apply: CPU, bfloat16, kernels built. The
-float32 path, the exact reference, never uses them.
+bit in bfloat16; RMSNorm within one ulp; in float32 SiLU's exp is a polynomial within ~1 ulp)
+and compute each row alone, so results do not depend on the batch. ``available(x)`` says
+whether they apply: CPU, bfloat16, kernels built. Float32 activations take them only when
+the caller allows it: a quantized model's (w4a8 on a CPU without native bfloat16); the
+unquantized float32 path, the exact reference, never does.
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ import torch
 from met.layers.kv_cache import KVCache
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_fused_ops_v6"
+_NAME = "met_fused_ops_v7"
 
 
 def _ops():
     return load_native_ops(_NAME, "fused_ops.cpp")
 
 
-def available(x: torch.Tensor) -> bool:
-    """True when the fused ops can run on activations like ``x`` (compiles on first call)."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _ops() is not None
+def available(x: torch.Tensor, allow_float32: bool = False) -> bool:
+    """True when the fused ops can run on activations like ``x``: bfloat16, or float32 with
+    ``allow_float32`` (compiles on first call)."""
+    dtypes = (torch.bfloat16, torch.float32) if allow_float32 else (torch.bfloat16,)
+    return x.device.type == "cpu" and x.dtype in dtypes and _ops() is not None
 
 
 def _op(name: str):

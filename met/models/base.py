@@ -28,6 +28,8 @@ class CausalLM(nn.Module, ABC):
     # Prompt rows attend one by one through the decode kernel (ForwardBatch.row_attention):
     # set by prepare() for w8a8 and w4a8.
     row_attention: bool = False
+    # Float32 activations take the fused element-wise ops (set by prepare() when quantized).
+    fused_float32: bool = False
 
     @property
     def prompt_rows_first(self) -> bool:
@@ -61,6 +63,9 @@ class CausalLM(nn.Module, ABC):
                 fuse()
         self.lm_head = LMHead(self.lm_head.weight, quantization)  # 8-bit when quantized
         self.row_attention = quantization in ("w8a8", "w4a8")
+        # A quantized model is not the exact float32 reference: its float32 activations may
+        # take the fused element-wise ops too (met/layers/fused_ops.py).
+        self.fused_float32 = quantization is not None
         if quantization is not None:
             for module in self.modules():
                 if isinstance(module, Linear):

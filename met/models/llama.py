@@ -239,7 +239,7 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
-        if self._fused_layers and fused_ops.available(x):
+        if self._fused_layers and fused_ops.available(x, self.fused_float32):
             return self._forward_fused(x, batch, kv_caches)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, batch, kv)
@@ -247,8 +247,8 @@ class LlamaForCausalLM(CausalLM):
 
     def _forward_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[KVCache]
                        ) -> torch.Tensor:
-        """The bfloat16 CPU path: `DecoderLayer.forward` with rope + cache writes, SiLU · up
-        and each residual add + RMSNorm as fused ops."""
+        """The bfloat16 (or quantized float32) CPU path: `DecoderLayer.forward` with rope +
+        cache writes, SiLU · up and each residual add + RMSNorm as fused ops."""
         first = self.model.layers[0].input_layernorm
         normed = fused_ops.rms_norm(x, first.weight, first.eps)
         positions, slots, t = batch.positions, batch.slot_mapping, x.shape[0]

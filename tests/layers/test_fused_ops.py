@@ -134,11 +134,15 @@ def test_each_row_is_computed_alone():
                        torch.cat([fused_ops.silu_mul(gate_up[i:i + 1]) for i in range(300)]))
 
 
-def test_rejects_float32_and_bad_slots():
+def test_rejects_other_dtypes_mixed_dtypes_and_bad_slots():
     norm = _norm(64)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        fused_ops.rms_norm(torch.randn(2, 64), norm.weight, 1e-5)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        fused_ops.rms_norm(torch.randn(2, 64).half(), norm.weight, 1e-5)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        fused_ops.rms_norm(torch.randn(2, 64), norm.weight, 1e-5)  # bfloat16 weight
+    # float32 only where the caller allows it (a quantized model, never the exact reference)
     assert not fused_ops.available(torch.randn(2, 64))
+    assert fused_ops.available(torch.randn(2, 64), allow_float32=True)
     rotary = RotaryEmbedding(16, 64, {"rope_theta": 10000.0})
     cache = torch.zeros(1, 8, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="slot 8 outside the cache"):
@@ -169,12 +173,68 @@ def test_llama_fused_path_gives_the_unfused_tokens(tiny_checkpoint, arch, monkey
     assert model._fused_layers, "the tiny model should take the fused bfloat16 path"
     fused_tokens, fused_lp = _logprobs_and_tokens(llm)
 
-    monkeypatch.setattr(fused_ops, "available", lambda x: False)
+    monkeypatch.setattr(fused_ops, "available", lambda *args: False)
     llm.reset_prefix_cache()
     plain_tokens, plain_lp = _logprobs_and_tokens(llm)
     assert fused_tokens == plain_tokens
     for a, b in zip(fused_lp, plain_lp, strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-2)
+
+
+@pytest.mark.parametrize("t", ROWS)
+def test_float32_ops_match_the_float32_aten_chains(t):
+    """The float32 instantiations (a quantized float32 model's path): the residual sum
+    exact, the rest within float32 rounding of ATen's chains (RMSNorm sums in another
+    order, SiLU's exp is a polynomial, rope's products may fuse into FMAs)."""
+    d, head_dim, h, hkv = 576, 64, 9, 3
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(d, 1e-5, torch.float32)
+    norm.weight.data = torch.randn(d, generator=g)
+    x, delta = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)
+    total, normed = fused_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta)
+    assert torch.allclose(normed, norm(x + delta), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-5,
+                          atol=1e-6)
+    gate_up = torch.randn(t, 2 * 1536, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(fused_ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5,
+                          atol=1e-6)
+    rotary = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0})
+    qkv = torch.randn(t, (h + 2 * hkv) * head_dim, generator=g)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    slots = torch.randperm(700, generator=g)[:t]
+    k_cache, v_cache = torch.zeros(hkv, 700, head_dim), torch.zeros(hkv, 700, head_dim)
+    q = fused_ops.rope_qkv_to_cache(qkv, positions, rotary.cos, rotary.sin,
+                                    KVCache(k_cache, v_cache), slots, h, hkv)
+    qk = rotary.apply_(qkv[:, :(h + hkv) * head_dim].clone().view(t, h + hkv, head_dim),
+                       positions)
+    assert q.dtype == torch.float32
+    assert torch.allclose(q, qk[:, :h], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(k_cache[:, slots].transpose(0, 1), qk[:, h:], rtol=1e-5, atol=1e-5)
+    v = qkv[:, (h + hkv) * head_dim:].view(t, hkv, head_dim)
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), v)
+
+
+def test_quantized_float32_model_takes_the_fused_path_with_the_same_tokens(tiny_checkpoint,
+                                                                           monkeypatch):
+    """w4a8 in float32 (auto's pick on a CPU without native bfloat16) is not the exact
+    reference, so it runs the fused ops: the same greedy tokens as its unfused path."""
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", quantization="w4a8",
+              max_model_len=128)
+    model = llm.engine.runner.model
+    assert model.fused_float32 and model._fused_layers
+    calls = []
+    real = fused_ops.add_rms_norm
+    monkeypatch.setattr(fused_ops, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    fused_tokens, fused_lp = _logprobs_and_tokens(llm)
+    assert calls, "the float32 w4a8 model should take the fused path"
+    monkeypatch.setattr(fused_ops, "available", lambda *args: False)
+    llm.reset_prefix_cache()
+    plain_tokens, plain_lp = _logprobs_and_tokens(llm)
+    assert fused_tokens == plain_tokens
+    for a, b in zip(fused_lp, plain_lp, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
 
 
 def test_float32_never_takes_the_fused_path(tiny_checkpoint, monkeypatch):

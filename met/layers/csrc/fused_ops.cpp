@@ -1,13 +1,15 @@
-// Fused bfloat16 element-wise ops of a decoder layer on CPU: RMSNorm (with the residual add
-// folded in), SiLU(gate) * up, and rope on q|k with the new keys and values written straight
-// into the paged cache. Each replaces a chain of 4-10 ATen ops (and as many passes over the
-// activations and Python dispatches) with one call.
+// Fused element-wise ops of a decoder layer on CPU, for bfloat16 or float32 activations:
+// RMSNorm (with the residual add folded in), SiLU(gate) * up, and rope on q|k with the new
+// keys and values written straight into the paged cache. Each replaces a chain of 4-10 ATen
+// ops (and as many passes over the activations and Python dispatches) with one call.
 //
 // Every op reproduces the rounding of the ATen chain it replaces: values are widened to
 // float32, each intermediate that ATen stores as bfloat16 is rounded to bfloat16 at the same
-// point, so rope, SiLU * up and the residual add give the same bits as the ATen ops; RMSNorm's
-// mean of squares is summed in another (fixed) order, so its output can differ by one
-// bfloat16 ulp now and then.
+// point (float32: no rounding), so rope and the residual add give the same bits as the ATen
+// ops, and SiLU * up too in bfloat16 (its exp is a polynomial: float32 results are within
+// ~1 ulp of ATen's); RMSNorm's mean of squares is summed in another (fixed) order, so its
+// output can differ by one ulp now and then. The functions are templates over the stored
+// type T (uint16_t: bfloat16 bits, or float); each op has one target_clones entry per type.
 //
 // Batch invariance: every row (token) is computed alone, in a fixed order, whatever the
 // number of rows or threads.
@@ -75,6 +77,48 @@ MET_INLINE vfloat load_f32_n(const float* p, int64_t n) {
   return vload(tmp);
 }
 
+MET_INLINE void store_f32_n(float* p, vfloat f, int64_t n) {
+  if (n == kLanes) return vstore(p, f);
+  std::memcpy(p, &f, n * sizeof(float));
+}
+
+// The stored type T's loads, stores and rounding: T = uint16_t holds bfloat16 bits (rounded
+// where ATen's bfloat16 chain rounds), T = float is float32 (exact).
+template <typename T>
+MET_INLINE vfloat load_n(const T* p, int64_t n) {
+  if constexpr (sizeof(T) == 2) return load_bf16_n(p, n);
+  else return load_f32_n(p, n);
+}
+
+template <typename T>
+MET_INLINE vfloat load_v(const T* p) {
+  if constexpr (sizeof(T) == 2) return load_bf16(p);
+  else return vload(p);
+}
+
+template <typename T>
+MET_INLINE void store_n(T* p, vfloat f, int64_t n) {
+  if constexpr (sizeof(T) == 2) store_bf16_n(p, f, n);
+  else store_f32_n(p, f, n);
+}
+
+template <typename T>
+MET_INLINE void store_v(T* p, vfloat f) {
+  if constexpr (sizeof(T) == 2) store_bf16(p, f);
+  else vstore(p, f);
+}
+
+template <typename T>
+MET_INLINE vfloat rnd(vfloat f) {
+  if constexpr (sizeof(T) == 2) return round_bf16(f);
+  else return f;
+}
+
+// The two instantiations of a row function body as target_clones entries.
+#define MET_TYPED_ENTRIES(name, impl, params, args)            \
+  MET_CLONES void name##_bf16 params { impl<uint16_t> args; } \
+  MET_CLONES void name##_f32 params { impl<float> args; }
+
 // exp(x), sixteen at a time: Cephes' expf polynomial (about 1 ulp), clamped to [-87, 88] so
 // that 2^n stays a normal float.
 MET_INLINE vfloat vexp(vfloat x) {
@@ -103,43 +147,59 @@ MET_INLINE vfloat vexp(vfloat x) {
 
 // Rows [r0, r1): residual = bf16(x + delta) when delta is given (stored to sum_out), then
 // out = bf16(w * bf16(v * rsqrt(mean(v^2) + eps))), as met.layers.norms.RMSNorm computes it.
-MET_CLONES void rms_norm_rows(const uint16_t* x, const uint16_t* delta, uint16_t* sum_out,
-                              uint16_t* out, const uint16_t* w, int64_t r0, int64_t r1,
-                              int64_t D, float eps) {
+template <typename T>
+MET_INLINE void rms_norm_rows_impl(const void* x_, const void* delta_, void* sum_out_,
+                                   void* out_, const void* w_, int64_t r0, int64_t r1,
+                                   int64_t D, float eps) {
+  const T* x = static_cast<const T*>(x_);
+  const T* delta = static_cast<const T*>(delta_);
+  const T* w = static_cast<const T*>(w_);
+  T* sum_out = static_cast<T*>(sum_out_);
+  T* out = static_cast<T*>(out_);
   for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* xr = x + r * D;
-    const uint16_t* src = xr;
+    const T* xr = x + r * D;
+    const T* src = xr;
     vfloat acc = {};
     if (delta != nullptr) {
-      const uint16_t* dr = delta + r * D;
-      uint16_t* sr = sum_out + r * D;
+      const T* dr = delta + r * D;
+      T* sr = sum_out + r * D;
       for (int64_t d = 0; d < D; d += kLanes) {
         const int64_t n = std::min(kLanes, D - d);
-        const vfloat v = round_bf16(load_bf16_n(xr + d, n) + load_bf16_n(dr + d, n));
-        store_bf16_n(sr + d, v, n);
+        const vfloat v = rnd<T>(load_n(xr + d, n) + load_n(dr + d, n));
+        store_n(sr + d, v, n);
         acc += v * v;
       }
       src = sr;
     } else {
       for (int64_t d = 0; d < D; d += kLanes) {
-        const vfloat v = load_bf16_n(xr + d, std::min(kLanes, D - d));
+        const vfloat v = load_n(xr + d, std::min(kLanes, D - d));
         acc += v * v;
       }
     }
     const float inv = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(D) + eps);
-    uint16_t* orow = out + r * D;
+    T* orow = out + r * D;
     for (int64_t d = 0; d < D; d += kLanes) {
       const int64_t n = std::min(kLanes, D - d);
-      const vfloat normed = round_bf16(load_bf16_n(src + d, n) * inv);
-      store_bf16_n(orow + d, normed * load_bf16_n(w + d, n), n);
+      const vfloat normed = rnd<T>(load_n(src + d, n) * inv);
+      store_n(orow + d, normed * load_n(w + d, n), n);
     }
   }
 }
 
+MET_TYPED_ENTRIES(rms_norm_rows, rms_norm_rows_impl,
+                  (const void* x, const void* delta, void* sum_out, void* out, const void* w,
+                   int64_t r0, int64_t r1, int64_t D, float eps),
+                  (x, delta, sum_out, out, w, r0, r1, D, eps))
+
+// Rows of bfloat16 or float32: the type's entry.
+#define MET_CALL_TYPED(is_float, name, ...) \
+  ((is_float) ? name##_f32(__VA_ARGS__) : name##_bf16(__VA_ARGS__))
+
 void check_rows(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 &&
-                  t.is_contiguous(),
-              op, ": ", name, " must be a contiguous 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(t.device().is_cpu() &&
+                  (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat) &&
+                  t.dim() == 2 && t.is_contiguous(),
+              op, ": ", name, " must be a contiguous 2-D bfloat16 or float32 CPU tensor");
 }
 
 // Rows per task: enough work per thread to pay for the fork (~5 us).
@@ -148,15 +208,17 @@ int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / row_
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm", "x");
   const int64_t T = x.size(0), D = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == D,
-              "rms_norm: weight must be a contiguous bfloat16 [hidden] tensor");
+              "rms_norm: weight must be a contiguous [hidden] tensor of x's dtype");
   at::Tensor out = at::empty({T, D}, x.options());
-  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const void* xp = x.data_ptr();
+  const void* wp = weight.data_ptr();
+  void* op = out.data_ptr();
   at::parallel_for(0, T, grain_rows(D), [&](int64_t b, int64_t e) {
-    rms_norm_rows(xp, nullptr, nullptr, op, wp, b, e, D, static_cast<float>(eps));
+    MET_CALL_TYPED(f32, rms_norm_rows, xp, nullptr, nullptr, op, wp, b, e, D,
+                   static_cast<float>(eps));
   });
   return out;
 }
@@ -165,20 +227,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm", "x");
   check_rows(delta, "add_rms_norm", "delta");
-  TORCH_CHECK(x.sizes() == delta.sizes(), "add_rms_norm: x and delta differ in shape");
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
+              "add_rms_norm: x and delta differ in shape or dtype");
   const int64_t T = x.size(0), D = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == D,
-              "add_rms_norm: weight must be a contiguous bfloat16 [hidden] tensor");
+              "add_rms_norm: weight must be a contiguous [hidden] tensor of x's dtype");
   at::Tensor sum = at::empty({T, D}, x.options());
   at::Tensor out = at::empty({T, D}, x.options());
-  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
-  const auto* dp = static_cast<const uint16_t*>(delta.data_ptr());
-  const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
-  auto* sp = static_cast<uint16_t*>(sum.data_ptr());
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const void* xp = x.data_ptr();
+  const void* dp = delta.data_ptr();
+  const void* wp = weight.data_ptr();
+  void* sp = sum.data_ptr();
+  void* op = out.data_ptr();
   at::parallel_for(0, T, grain_rows(D), [&](int64_t b, int64_t e) {
-    rms_norm_rows(xp, dp, sp, op, wp, b, e, D, static_cast<float>(eps));
+    MET_CALL_TYPED(f32, rms_norm_rows, xp, dp, sp, op, wp, b, e, D, static_cast<float>(eps));
   });
   return {sum, out};
 }
@@ -187,12 +251,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 // Rows [r0, r1) of gate_up [T, 2I] (gate then up): out = bf16(bf16(silu(gate)) * up), the
 // rounding of F.silu followed by a bfloat16 multiply.
-MET_CLONES void silu_mul_rows(const uint16_t* gu, uint16_t* out, int64_t r0, int64_t r1,
-                              int64_t I) {
+template <typename T>
+MET_INLINE void silu_mul_rows_impl(const void* gu_, void* out_, int64_t r0, int64_t r1,
+                                   int64_t I) {
+  const T* gu = static_cast<const T*>(gu_);
+  T* out = static_cast<T*>(out_);
   for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* g = gu + r * 2 * I;
-    const uint16_t* u = g + I;
-    uint16_t* o = out + r * I;
+    const T* g = gu + r * 2 * I;
+    const T* u = g + I;
+    T* o = out + r * I;
     int64_t i = 0;
     // Four vectors per iteration: each is a ~100-cycle chain of dependent steps (exp, divide,
     // roundings), so independent ones side by side keep the pipelines busy.
@@ -200,30 +267,35 @@ MET_CLONES void silu_mul_rows(const uint16_t* gu, uint16_t* out, int64_t r0, int
       vfloat s[4];
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) {
-        const vfloat x = load_bf16(g + i + v * kLanes);
-        s[v] = round_bf16(x / (1.0f + vexp(-x)));
+        const vfloat x = load_v(g + i + v * kLanes);
+        s[v] = rnd<T>(x / (1.0f + vexp(-x)));
       }
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) store_bf16(o + i + v * kLanes, s[v] * load_bf16(u + i + v * kLanes));
+      for (int v = 0; v < 4; ++v) store_v(o + i + v * kLanes, s[v] * load_v(u + i + v * kLanes));
     }
     for (; i < I; i += kLanes) {
       const int64_t n = std::min(kLanes, I - i);
-      const vfloat x = load_bf16_n(g + i, n);
-      const vfloat s = round_bf16(x / (1.0f + vexp(-x)));
-      store_bf16_n(o + i, s * load_bf16_n(u + i, n), n);
+      const vfloat x = load_n(g + i, n);
+      const vfloat s = rnd<T>(x / (1.0f + vexp(-x)));
+      store_n(o + i, s * load_n(u + i, n), n);
     }
   }
 }
+
+MET_TYPED_ENTRIES(silu_mul_rows, silu_mul_rows_impl,
+                  (const void* gu, void* out, int64_t r0, int64_t r1, int64_t I),
+                  (gu, out, r0, r1, I))
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul", "gate_up");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even width");
   at::Tensor out = at::empty({T, I}, gate_up.options());
-  const auto* gp = static_cast<const uint16_t*>(gate_up.data_ptr());
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  const bool f32 = gate_up.scalar_type() == at::kFloat;
+  const void* gp = gate_up.data_ptr();
+  void* op = out.data_ptr();
   at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
-    silu_mul_rows(gp, op, b, e, I);
+    MET_CALL_TYPED(f32, silu_mul_rows, gp, op, b, e, I);
   });
   return out;
 }
@@ -231,16 +303,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // ---- rope on q|k, keys and values into the paged cache -------------------------------------
 
 struct RopeProblem {
-  const uint16_t* qkv;  // [T, (H + 2 Hkv) * D]
+  const void* qkv;  // [T, (H + 2 Hkv) * D] of the activations' type
   const int64_t* positions;
   const float* cos;  // [P, D] float32 tables (rounded to bfloat16 at use, as ATen's .to())
   const float* sin;
-  void* k_cache;  // [Hkv, S, D]: bfloat16, or int8 when the scales below are set
+  void* k_cache;  // [Hkv, S, D]: the activations' type, or int8 when the scales are set
   void* v_cache;
   float* k_scale;  // [Hkv, S] float32 (int8 caches), else null
   float* v_scale;
   const int64_t* slots;
-  uint16_t* q_out;  // [T, H, D]
+  void* q_out;  // [T, H, D]
   int64_t H, Hkv, D, S;
 };
 
@@ -249,14 +321,15 @@ constexpr int64_t kMaxHeadDim = 512;
 
 typedef int8_t vchar __attribute__((vector_size(16)));
 
-// One bfloat16 row of D values into int8 with its scale, as met.layers.kv_cache.quantize_rows
-// does it: scale = max|x| / 127, q = round-half-even(x / scale), all in float32 (0 for an
+// One row of D values into int8 with its scale, as met.layers.kv_cache.quantize_rows does
+// it: scale = max|x| / 127, q = round-half-even(x / scale), all in float32 (0 for an
 // all-zero row). A division, not a multiply by 127 / max|x|: GCC contracts a multiply and
 // the rounding add below into one FMA, which would round some ties differently from torch.
-MET_INLINE void quantize_row_q8(const uint16_t* x, int64_t D, int8_t* q, float* scale) {
+template <typename T>
+MET_INLINE void quantize_row_q8(const T* x, int64_t D, int8_t* q, float* scale) {
   vfloat vmax = {};
   for (int64_t d = 0; d < D; d += kLanes) {  // a partial last chunk is zero-padded
-    const vfloat v = load_bf16_n(x + d, std::min(kLanes, D - d));
+    const vfloat v = load_n(x + d, std::min(kLanes, D - d));
     const vfloat a = v < 0.f ? -v : v;
     vmax = a > vmax ? a : vmax;
   }
@@ -271,54 +344,59 @@ MET_INLINE void quantize_row_q8(const uint16_t* x, int64_t D, int8_t* q, float* 
   for (int64_t d = 0; d < D; d += kLanes) {
     const int64_t n = std::min(kLanes, D - d);
     // Adding and taking off 1.5 * 2^23 rounds |y| <= 127 to the nearest integer, ties to even.
-    const vfloat y = load_bf16_n(x + d, n) / s;
+    const vfloat y = load_n(x + d, n) / s;
     const vfloat r = (y + 12582912.0f) - 12582912.0f;
     const vchar b = __builtin_convertvector(__builtin_convertvector(r, vint), vchar);
     std::memcpy(q + d, &b, n);
   }
 }
 
-// One head: out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), rotate_half(x) = (-x2, x1).
-MET_INLINE void rope_head(const uint16_t* x, const float* c, const float* s, uint16_t* out,
-                          int64_t D) {
+// One head: out = T(T(x * c) + T(rotate_half(x) * s)), rotate_half(x) = (-x2, x1), the
+// tables rounded to T first (bfloat16: each product and the sum rounded, as ATen's chain).
+template <typename T>
+MET_INLINE void rope_head(const T* x, const float* c, const float* s, T* out, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < half; d += kLanes) {
     const int64_t n = std::min(kLanes, half - d);
-    const vfloat x1 = load_bf16_n(x + d, n), x2 = load_bf16_n(x + half + d, n);
-    const vfloat c1 = round_bf16(load_f32_n(c + d, n));
-    const vfloat c2 = round_bf16(load_f32_n(c + half + d, n));
-    const vfloat s1 = round_bf16(load_f32_n(s + d, n));
-    const vfloat s2 = round_bf16(load_f32_n(s + half + d, n));
-    store_bf16_n(out + d, round_bf16(x1 * c1) + round_bf16(-x2 * s1), n);
-    store_bf16_n(out + half + d, round_bf16(x2 * c2) + round_bf16(x1 * s2), n);
+    const vfloat x1 = load_n(x + d, n), x2 = load_n(x + half + d, n);
+    const vfloat c1 = rnd<T>(load_f32_n(c + d, n));
+    const vfloat c2 = rnd<T>(load_f32_n(c + half + d, n));
+    const vfloat s1 = rnd<T>(load_f32_n(s + d, n));
+    const vfloat s2 = rnd<T>(load_f32_n(s + half + d, n));
+    store_n(out + d, rnd<T>(x1 * c1) + rnd<T>(-x2 * s1), n);
+    store_n(out + half + d, rnd<T>(x2 * c2) + rnd<T>(x1 * s2), n);
   }
 }
 
-MET_CLONES void rope_rows(const RopeProblem& p, int64_t r0, int64_t r1) {
+template <typename T>
+MET_INLINE void rope_rows_impl(const RopeProblem& p, int64_t r0, int64_t r1) {
   const int64_t D = p.D, width = (p.H + 2 * p.Hkv) * D;
   for (int64_t t = r0; t < r1; ++t) {
-    const uint16_t* row = p.qkv + t * width;
+    const T* row = static_cast<const T*>(p.qkv) + t * width;
     const float* c = p.cos + p.positions[t] * D;
     const float* s = p.sin + p.positions[t] * D;
     for (int64_t h = 0; h < p.H; ++h) {
-      rope_head(row + h * D, c, s, p.q_out + (t * p.H + h) * D, D);
+      rope_head(row + h * D, c, s, static_cast<T*>(p.q_out) + (t * p.H + h) * D, D);
     }
     const int64_t slot = p.slots[t];
     for (int64_t h = 0; h < p.Hkv; ++h) {
       const int64_t at = h * p.S + slot;
-      const uint16_t* v = row + (p.H + p.Hkv + h) * D;
+      const T* v = row + (p.H + p.Hkv + h) * D;
       if (p.k_scale == nullptr) {
-        rope_head(row + (p.H + h) * D, c, s, static_cast<uint16_t*>(p.k_cache) + at * D, D);
-        std::memcpy(static_cast<uint16_t*>(p.v_cache) + at * D, v, D * sizeof(uint16_t));
+        rope_head(row + (p.H + h) * D, c, s, static_cast<T*>(p.k_cache) + at * D, D);
+        std::memcpy(static_cast<T*>(p.v_cache) + at * D, v, D * sizeof(T));
         continue;
       }
-      uint16_t k[kMaxHeadDim];  // the rotated key as a bfloat16 cache would hold it
+      T k[kMaxHeadDim];  // the rotated key as a cache of the activations' type would hold it
       rope_head(row + (p.H + h) * D, c, s, k, D);
       quantize_row_q8(k, D, static_cast<int8_t*>(p.k_cache) + at * D, p.k_scale + at);
       quantize_row_q8(v, D, static_cast<int8_t*>(p.v_cache) + at * D, p.v_scale + at);
     }
   }
 }
+
+MET_TYPED_ENTRIES(rope_rows, rope_rows_impl, (const RopeProblem& p, int64_t r0, int64_t r1),
+                  (p, r0, r1))
 
 at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
@@ -328,12 +406,12 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
   check_rows(qkv, "rope_qkv_to_cache", "qkv");
   const int64_t T = qkv.size(0);
   const bool q8 = k_scale.has_value();
-  const auto cache_type = q8 ? at::kChar : at::kBFloat16;
+  const auto cache_type = q8 ? at::kChar : qkv.scalar_type();
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == cache_type && v_cache.scalar_type() == cache_type &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "rope_qkv_to_cache: caches must be contiguous bfloat16 (or int8 with scales) "
-              "[Hkv, S, D] tensors");
+              "rope_qkv_to_cache: caches must be contiguous [Hkv, S, D] tensors of qkv's "
+              "dtype (or int8 with scales)");
   const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(q8 == v_scale.has_value(), "rope_qkv_to_cache: pass both scales or neither");
   if (q8) {
@@ -365,7 +443,7 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
                 " outside the cache");
   }
   at::Tensor q = at::empty({T, num_heads, D}, qkv.options());
-  const RopeProblem p{static_cast<const uint16_t*>(qkv.data_ptr()),
+  const RopeProblem p{qkv.data_ptr(),
                       pos,
                       cos.data_ptr<float>(),
                       sin.data_ptr<float>(),
@@ -374,13 +452,14 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
                       q8 ? k_scale->data_ptr<float>() : nullptr,
                       q8 ? v_scale->data_ptr<float>() : nullptr,
                       sl,
-                      static_cast<uint16_t*>(q.data_ptr()),
+                      q.data_ptr(),
                       num_heads,
                       Hkv,
                       D,
                       S};
+  const bool f32 = qkv.scalar_type() == at::kFloat;
   at::parallel_for(0, T, grain_rows(qkv.size(1)), [&](int64_t b, int64_t e) {
-    rope_rows(p, b, e);
+    MET_CALL_TYPED(f32, rope_rows, p, b, e);
   });
   return q;
 }
