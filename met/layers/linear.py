@@ -11,8 +11,9 @@ bitwise equal, the rest one ulp apart from the accumulation order).
 
 Int4 weight-only (``Linear.quantize("int4")``): groups of 32 weights along the input
 dimension get a scale and a minimum (asymmetric, 16 levels: the layout of GGUF's Q4_1
-blocks), run by torch's int4 weight-only kernel for few rows and as bfloat16 weights
-dequantized from the same integers for many.
+blocks), run by met's int4 GEMV kernel (csrc/int4_gemv.cpp, CPUs with AVX512-BF16) for
+few rows and as bfloat16 weights dequantized from the same integers for many (and for every
+row count on other CPUs).
 """
 
 from __future__ import annotations
@@ -140,15 +141,11 @@ class Int4Weight(_WeightOnly):
         # The kernels compute (q - 8) · scale + zero; zero = min + 8 · scale.
         zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
         # Few rows: int4_gemv (same bfloat16 weights as the many-rows path) where the CPU has
-        # AVX512-BF16, else torch's int4 kernel.
+        # AVX512-BF16. Elsewhere every row count takes the many-rows path: torch's int4
+        # kernel kept the weights in float32 (rows then changed by ~1 bfloat16 ulp with their
+        # batch) and refused N not a multiple of 16; w4a8 is the fast 4-bit path there.
         self.gemv_weights = (int4_gemv.pack(q, scale, zero) if weight.device.type == "cpu"
                              and int4_gemv.available() else None)
-        if self.gemv_weights is None:
-            self.register_buffer("packed",
-                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-            # [K / 32, N, 2]: torch's layout of (scale, zero) per group and output channel.
-            self.register_buffer("scales_zeros",
-                                 torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         deq = ((q.float().reshape(n, -1, INT4_GROUP) - 8.0) * scale.float()[..., None]
                + zero.float()[..., None])
         self.register_buffer("weight_bf16", deq.reshape(n, k).to(torch.bfloat16).contiguous())
@@ -158,8 +155,9 @@ class Int4Weight(_WeightOnly):
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv_weights is not None:
             return int4_gemv.linear(x, self.gemv_weights, self.out_features)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP,
-                                                          self.scales_zeros)
+        if self.onednn_weight is not None:
+            return onednn_linear(x, self.onednn_weight, None)
+        return F.linear(x, self.weight_bf16)
 
 
 QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8Dynamic,
@@ -250,6 +248,9 @@ class Linear(nn.Module):
         elif self.onednn_weight is not None:
             weight, bias = self.onednn_weight, self.bias
             self.bf16_rows = lambda x: onednn_linear(x, weight, bias)
+        elif self.weight is not None and self.weight.dtype == torch.bfloat16:
+            weight, bias = self.weight, self.bias  # no oneDNN bfloat16 on this CPU
+            self.bf16_rows = lambda x: F.linear(x, weight, bias)
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the bound tensors
         self.bf16_rows = None
