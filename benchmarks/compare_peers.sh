@@ -9,7 +9,8 @@
 # vLLM loads a bf16 HF directory converted from the same GGUF (done here if missing).
 #
 # Settings (environment): CONCURRENCY (1,4,16,32,64) ISL (110) OSL (128) REPS (1) WARMUP (2)
-# ENGINES ("met llama-server vllm"; also met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, and
+# ENGINES ("met llama-server vllm"; also met-auto (--dtype auto --quantization auto: what
+# `met serve` picks on this machine), met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, and
 # any met engine with -kv8 appended for --kv-cache-dtype int8, e.g. met-w4a8-kv8)
 # MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
 # OUT (.benchmarks/peers/<date>-<sha>) PEERS (~/.cache/met-peers) PEER_SCRIPTS (../shared/peers)
@@ -62,10 +63,11 @@ start() {  # engine port: starts it in the background, sets server_pid
   local base=${engine%-kv8} kv=(--kv-cache-dtype auto)
   [ "$base" != "$engine" ] && kv=(--kv-cache-dtype int8)
   case $base in
-    met|met-fp32|met-int8|met-int4|met-w8a8|met-w4a8)
+    met|met-auto|met-fp32|met-int8|met-int4|met-w8a8|met-w4a8)
       # plain $MET_DTYPE: what auto runs for a 64-sequence server
       local dtype=$MET_DTYPE quant=(--quantization none)
       [ "$base" = met-fp32 ] && dtype=float32
+      [ "$base" = met-auto ] && { dtype=auto; quant=(--quantization auto); }
       case $base in met-int8|met-int4|met-w8a8|met-w4a8) quant=(--quantization "${base#met-}") ;; esac
       echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} ${kv[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
       "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" "${kv[@]}" \
@@ -83,7 +85,7 @@ start() {  # engine port: starts it in the background, sets server_pid
       echo "+ bash $PEER_SCRIPTS/vllm-cpu.sh serve $VLLM_MODEL $port"
       bash "$PEER_SCRIPTS/vllm-cpu.sh" serve "$VLLM_MODEL" "$port" >"$log" 2>&1 &
       ;;
-    *) echo "unknown engine $engine (met, met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, llama-server, vllm)" >&2; return 1 ;;
+    *) echo "unknown engine $engine (met, met-auto, met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, llama-server, vllm)" >&2; return 1 ;;
   esac
   server_pid=$!
 }

@@ -1,12 +1,13 @@
 """Quality of the fast paths against the float32 reference, on the same weights.
 
-    python benchmarks/quality.py [--model PATH]
+    python benchmarks/quality.py [--model PATH] [--paths 0,9]
 
 For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, + w8a8, + w4a8, and
-with the int8 KV cache: float32, bfloat16, w4a8) over a fixed English text (this file's
-TEXT, ~230 tokens): perplexity from prompt logprobs, the largest and mean |Δ logprob| of the
-text's tokens against float32, and whether greedy answers to fixed chat prompts match
-float32's. Prints one JSON line per path.
+with the int8 KV cache: float32, bfloat16, w4a8; float32 + w4a8, auto's pick on CPUs without
+native bfloat16; --paths: indices into PATHS, the reference first) over a fixed English
+text (this file's TEXT, ~230 tokens): perplexity from prompt logprobs, the largest and mean
+|Δ logprob| of the text's tokens against float32, and whether greedy answers to fixed chat
+prompts match float32's. Prints one JSON line per path.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ CHATS = ["What is the capital of France?", "Name three primary colors.",
 # (dtype, quantization, kv_cache_dtype); the first is the reference.
 PATHS = [("float32", None, "auto"), ("bfloat16", None, "auto"), ("bfloat16", "int8", "auto"),
          ("bfloat16", "int4", "auto"), ("bfloat16", "w8a8", "auto"), ("bfloat16", "w4a8", "auto"),
-         ("float32", None, "int8"), ("bfloat16", None, "int8"), ("bfloat16", "w4a8", "int8")]
+         ("float32", None, "int8"), ("bfloat16", None, "int8"), ("bfloat16", "w4a8", "int8"),
+         ("float32", "w4a8", "auto")]
 
 
 def main() -> None:
@@ -44,9 +46,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--paths", default=None, help="comma-separated indices into PATHS")
     args = ap.parse_args()
+    chosen = PATHS if args.paths is None else [PATHS[int(i)] for i in args.paths.split(",")]
     reference: dict = {}
-    for dtype, quant, kv_dtype in PATHS:
+    for dtype, quant, kv_dtype in chosen:
         llm = LLM(args.model, dtype=dtype, quantization=quant, max_model_len=2048,
                   kv_cache_dtype=kv_dtype)
         ids = llm.tokenizer(TEXT)["input_ids"]

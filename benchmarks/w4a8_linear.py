@@ -1,12 +1,13 @@
-"""The w4a8 kernel (met/layers/csrc/w4a8.cpp) on one decoder layer's four projections of the
+"""The w4a8 kernel (met/layers/csrc/w4a8.cpp with AVX512-VNNI, else w4a8_avx2.cpp) on one
+decoder layer's four projections of the
 embedded model (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536) and on its 8-bit LM
 head (49,152×576), at several row counts.
 
     python benchmarks/w4a8_linear.py [--rows 1,4,16,64,512] [--threads 2] [--reps 9]
-        [--amx-min-rows N]
+        [--amx-min-rows N] [--float32]
 
 Weights are random (the kernel's speed does not depend on their values); activations are
-bfloat16. Each row count times the four projections back to back, five times in a row
+bfloat16 (--float32: float32, what a model runs with on a CPU without native bfloat16). Each row count times the four projections back to back, five times in a row
 (cache-hot: one layer's weights are ~2 MB), then the head (its 28 MB come from memory), best
 of --reps each. By default the tiles stay off (--amx-min-rows above every row count), so the
 VNNI path is what is timed on any CPU; --amx-min-rows 32 times what the engine runs on an AMX
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from met.layers.w4a8 import Int4Dynamic, Int8Blocks, available
+from met.layers.w4a8 import Int4Dynamic, Int8Blocks, available, kernel_isa
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 VOCAB, HIDDEN = 49152, 576
@@ -33,9 +34,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--amx-min-rows", type=int, default=1 << 30)
+    parser.add_argument("--float32", action="store_true", help="float32 activations")
     args = parser.parse_args()
     if not available():
-        raise SystemExit("w4a8 kernel unavailable: this CPU has no AVX512-VNNI (or no compiler)")
+        raise SystemExit("w4a8 kernel unavailable: this CPU has no AVX512-VNNI or AVX2 "
+                         "(or no compiler)")
+    dtype = torch.float32 if args.float32 else torch.bfloat16
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     layers = [Int4Dynamic(torch.randn(n, k) * 0.05, None) for n, k in SHAPES]
@@ -47,8 +51,8 @@ def main() -> None:
                      k(x, *w, b, n, False, args.amx_min_rows, 0))
     head_kernel, head_weights, _, _ = head._bound()
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = [torch.randn(rows, k).bfloat16() for _, k in SHAPES]
-        xh = torch.randn(rows, HIDDEN).bfloat16()
+        xs = [torch.randn(rows, k).to(dtype) for _, k in SHAPES]
+        xh = torch.randn(rows, HIDDEN).to(dtype)
         layer_s = head_s = float("inf")
         for _ in range(args.reps):  # the layer 5 times in a row (cache-hot), then the head
             start = time.perf_counter()
@@ -61,7 +65,7 @@ def main() -> None:
             head_kernel(xh, *head_weights, None, VOCAB, True, args.amx_min_rows)
             head_s = min(head_s, time.perf_counter() - start)
         macs = rows * sum(n * k for n, k in SHAPES)
-        print(json.dumps({"rows": rows, "threads": args.threads,
+        print(json.dumps({"rows": rows, "threads": args.threads, "kernel": kernel_isa(),
                           "layer_ms": round(layer_s * 1e3, 4),
                           "layer_gmacs": round(macs / layer_s / 1e9, 1),
                           "head_ms": round(head_s * 1e3, 3),
