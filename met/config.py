@@ -105,9 +105,10 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto" and self.quantization in QUANTIZATIONS:
-            if (self.quantization == "w4a8" and self.device == "cpu"
-                    and not cpu_has_native_bf16()):
-                return torch.float32  # w4a8 quantizes float32 rows too; bf16 is emulated here
-            return torch.bfloat16  # the other quantized kernels take bfloat16 activations
+        # The weight-only and w8a8 kernels take bfloat16 activations; w4a8's take float32
+        # too, so for w4a8 auto stays the machine's choice (float32 where bfloat16 is
+        # emulated).
+        if (self.dtype == "auto" and self.quantization in QUANTIZATIONS
+                and self.quantization != "w4a8"):
+            return torch.bfloat16
         return resolve_dtype(self.dtype, self.device)

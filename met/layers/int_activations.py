@@ -21,20 +21,23 @@ class IntActivationLinear(nn.Module, ABC):
     takes_float32 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.takes_float32:
-            y = self._product(x.reshape(-1, x.shape[-1]).contiguous(), out_float=True)
-            return y.reshape(*x.shape[:-1], self.out_features)
         # The decode step's 2-D contiguous bfloat16 rows need no reshape or cast.
-        plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
-        x2 = x if plain else x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        y = self._product(x2, out_float=False)
-        return y if plain else y.reshape(*x.shape[:-1], self.out_features)
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():
+            return self._product(x, out_float=False)
+        # float32 rows the kernel takes come back float32, as the model computes.
+        out_float = x.dtype == torch.float32 and self.takes_float32
+        y = self._product(self._kernel_rows(x), out_float=out_float)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def float_product(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ in float32 [M, N]."""
+        return self._product(self._kernel_rows(x), out_float=True)
+
+    def _kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as contiguous 2-D rows of a dtype the kernel takes: float32 where it takes
+        them (``takes_float32``), else bfloat16."""
         keep = x.dtype == torch.float32 and self.takes_float32
-        x2 = x.reshape(-1, x.shape[-1]).to(x.dtype if keep else torch.bfloat16).contiguous()
-        return self._product(x2, out_float=True)
+        return x.reshape(-1, x.shape[-1]).to(x.dtype if keep else torch.bfloat16).contiguous()
 
     def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` for 2-D contiguous bfloat16 rows, as a function (`Linear.bf16_rows`);

@@ -59,6 +59,10 @@ class _WeightOnly(nn.Module, ABC):
         """x [M, K] bfloat16 times the weights, by the kernel for its number of rows."""
         if x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
             return self._gemv(x.contiguous())
+        return self._many_rows(x)
+
+    def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x times the bfloat16 weights on the matrix units (oneDNN's copy once packed)."""
         if self.onednn_weight is not None:
             return onednn_linear(x, self.onednn_weight, None)
         return F.linear(x, self.weight_bf16)
@@ -155,9 +159,7 @@ class Int4Weight(_WeightOnly):
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv_weights is not None:
             return int4_gemv.linear(x, self.gemv_weights, self.out_features)
-        if self.onednn_weight is not None:
-            return onednn_linear(x, self.onednn_weight, None)
-        return F.linear(x, self.weight_bf16)
+        return self._many_rows(x)
 
 
 QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8Dynamic,

@@ -33,9 +33,10 @@ import torch.nn.functional as F
 from met.layers.int_activations import IntActivationLinear
 from met.layers.native import load_native_ops, native_op
 
-# The AVX512-VNNI kernel (with AMX tiles where present) and, for CPUs with AVX2 only, the
-# same ops, layout and bits from VPMADDUBSW (`_kernel_source` picks one).
-_KERNELS = (("met_w4a8_v12", "w4a8.cpp"), ("met_w4a8_avx2_v1", "w4a8_avx2.cpp"))
+# (ISA, op namespace, csrc file): the AVX512-VNNI kernel (with AMX tiles where present) and,
+# for CPUs with AVX2 only, the same ops, layout and bits from VPMADDUBSW (`_kernel` picks).
+_KERNELS = (("avx512-vnni", "met_w4a8_v13", "w4a8.cpp"),
+            ("avx2", "met_w4a8_avx2_v2", "w4a8_avx2.cpp"))
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
 # From this many rows on, AMX-INT8 tiles (where the CPU has them) compute the block sums:
@@ -48,35 +49,35 @@ AMX_MIN_ROWS = 32
 
 
 @functools.cache
-def _kernel_source() -> tuple[str, str] | None:
-    """(op namespace, csrc file) of the kernel for this CPU: w4a8.cpp where it has
-    AVX512-VNNI, else w4a8_avx2.cpp where it has AVX2 (+ FMA, F16C); None without either or
-    without a compiler. The AVX-512 file is only built where torch reports AVX-512."""
+def _kernel() -> tuple[str, str, str] | None:
+    """The `_KERNELS` entry for this CPU: w4a8.cpp where it has AVX512-VNNI, else
+    w4a8_avx2.cpp where it has AVX2 (+ FMA, F16C); None without either or without a
+    compiler. The AVX-512 file is only built where torch reports AVX-512."""
     candidates = _KERNELS if torch.backends.cpu.get_cpu_capability() == "AVX512" else _KERNELS[1:]
-    for name, source in candidates:
+    for isa, name, source in candidates:
         ops = load_native_ops(name, source)
         if ops is not None and bool(ops.supported()):
-            return name, source
+            return isa, name, source
     return None
 
 
 def available() -> bool:
     """True when this CPU has AVX512-VNNI or AVX2 and the kernel builds (compiles on first
     call)."""
-    return _kernel_source() is not None
+    return _kernel() is not None
 
 
 def kernel_isa() -> str | None:
     """"avx512-vnni" or "avx2": which kernel runs here (None: the plain-PyTorch path)."""
-    source = _kernel_source()
-    return None if source is None else ("avx2" if source[1] == "w4a8_avx2.cpp" else "avx512-vnni")
+    kernel = _kernel()
+    return None if kernel is None else kernel[0]
 
 
 def prompt_rows_available() -> bool:
     """True when the kernel can run prompt rows through bfloat16 weights (AMX-BF16 tiles):
     `Int4Dynamic.prompt_rows_kernel`."""
-    source = _kernel_source()
-    return source is not None and bool(load_native_ops(*source).amx_bf16_supported())
+    kernel = _kernel()
+    return kernel is not None and bool(load_native_ops(*kernel[1:]).amx_bf16_supported())
 
 
 def fit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,7 +194,7 @@ class _BlockKernelLinear(IntActivationLinear):
     def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
         """What a bound kernel call needs: the op, the weight buffers, the bias, N."""
         weights = tuple(getattr(self, name) for name in self._kernel_buffers)
-        return native_op(*_kernel_source(), self._op), weights, self.bias, self.out_features
+        return native_op(*_kernel()[1:], self._op), weights, self.bias, self.out_features
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if self.native:

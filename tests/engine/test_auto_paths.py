@@ -104,6 +104,20 @@ def q4_checkpoint(tiny_checkpoint, monkeypatch):
     return str(tiny_checkpoint("llama"))
 
 
+def _gaps_from_reference(llm: LLM, ref: LLM) -> list[float]:
+    """|Δ logprob| of ``ref``'s 8 greedy tokens on 3 prompts, scored teacher-forced under
+    ``llm``."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    gaps = []
+    for prompt in oracle_prompts("llama")[:3]:
+        out = ref.generate({"prompt_token_ids": prompt}, greedy)[0].outputs[0]
+        forced = llm.generate({"prompt_token_ids": prompt + out.token_ids},
+                              SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        gaps += [abs(forced.prompt_logprobs[len(prompt) + i][t] - out.logprobs[i][t])
+                 for i, t in enumerate(out.token_ids)]
+    return gaps
+
+
 @pytest.fixture(params=["this CPU", "no w4a8 kernel"])
 def small_server_choice(request, monkeypatch):
     """What auto picks for a few-sequence server: w4a8 on a CPU with AVX512-VNNI or AVX2,
@@ -126,14 +140,7 @@ def test_auto_quantizes_q4_weights_for_few_sequences_and_stays_close(
 
     ref = LLM(q4_checkpoint, dtype="float32", quantization="none", max_model_len=256)
     assert (ref.engine.dtype, ref.engine.quantization) == (torch.float32, None)
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-    gaps = []
-    for prompt in oracle_prompts("llama")[:3]:
-        out = ref.generate({"prompt_token_ids": prompt}, greedy)[0].outputs[0]
-        forced = auto.generate({"prompt_token_ids": prompt + out.token_ids},
-                               SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        gaps += [abs(forced.prompt_logprobs[len(prompt) + i][t] - out.logprobs[i][t])
-                 for i, t in enumerate(out.token_ids)]
+    gaps = _gaps_from_reference(auto, ref)
     assert sum(gaps) / len(gaps) < 0.1, gaps  # (measured int4: 0.018 mean, 0.05 max)
     assert auto.kv_stats().num_blocks_in_use == 0
 
@@ -169,16 +176,10 @@ def test_auto_without_bf16_units_is_float32_w4a8_and_stays_close(q4_checkpoint, 
                in r.getMessage() for r in caplog.records)
     ref = LLM(q4_checkpoint, dtype="float32", max_model_len=256)
     assert (ref.engine.dtype, ref.engine.quantization) == (torch.float32, None)
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-    gaps = []
-    for prompt in oracle_prompts("llama")[:3]:
-        out = ref.generate({"prompt_token_ids": prompt}, greedy)[0].outputs[0]
-        forced = auto.generate({"prompt_token_ids": prompt + out.token_ids},
-                               SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        gaps += [abs(forced.prompt_logprobs[len(prompt) + i][t] - out.logprobs[i][t])
-                 for i, t in enumerate(out.token_ids)]
+    gaps = _gaps_from_reference(auto, ref)
     assert sum(gaps) / len(gaps) < 0.1, gaps
     # float32 rows alone and batched: the same tokens (one kernel for any row count)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in oracle_prompts("llama")[:3]]
     batched = [o.outputs[0].token_ids for o in auto.generate(prompts, greedy)]
     assert batched == [auto.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]

@@ -165,20 +165,27 @@ def _logprobs_and_tokens(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
+def _assert_fused_gives_the_unfused_tokens(llm: LLM, monkeypatch, atol: float,
+                                           after_fused=lambda: True) -> None:
+    """``llm``'s greedy tokens on PROMPTS equal those of its unfused path (fused ops turned
+    off), logprobs within ``atol``; ``after_fused()`` must hold after the fused run."""
+    fused_tokens, fused_lp = _logprobs_and_tokens(llm)
+    assert after_fused(), "the model should take the fused path"
+    monkeypatch.setattr(fused_ops, "available", lambda *args: False)
+    llm.reset_prefix_cache()
+    plain_tokens, plain_lp = _logprobs_and_tokens(llm)
+    assert fused_tokens == plain_tokens
+    for a, b in zip(fused_lp, plain_lp, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=atol)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_llama_fused_path_gives_the_unfused_tokens(tiny_checkpoint, arch, monkeypatch):
     llm = LLM(str(tiny_checkpoint(arch)), dtype="bfloat16", quantization=None,
               max_model_len=128)
     model = llm.engine.runner.model
     assert model._fused_layers, "the tiny model should take the fused bfloat16 path"
-    fused_tokens, fused_lp = _logprobs_and_tokens(llm)
-
-    monkeypatch.setattr(fused_ops, "available", lambda *args: False)
-    llm.reset_prefix_cache()
-    plain_tokens, plain_lp = _logprobs_and_tokens(llm)
-    assert fused_tokens == plain_tokens
-    for a, b in zip(fused_lp, plain_lp, strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-2)
+    _assert_fused_gives_the_unfused_tokens(llm, monkeypatch, atol=2e-2)
 
 
 @pytest.mark.parametrize("t", ROWS)
@@ -227,14 +234,8 @@ def test_quantized_float32_model_takes_the_fused_path_with_the_same_tokens(tiny_
     calls = []
     real = fused_ops.add_rms_norm
     monkeypatch.setattr(fused_ops, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
-    fused_tokens, fused_lp = _logprobs_and_tokens(llm)
-    assert calls, "the float32 w4a8 model should take the fused path"
-    monkeypatch.setattr(fused_ops, "available", lambda *args: False)
-    llm.reset_prefix_cache()
-    plain_tokens, plain_lp = _logprobs_and_tokens(llm)
-    assert fused_tokens == plain_tokens
-    for a, b in zip(fused_lp, plain_lp, strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+    _assert_fused_gives_the_unfused_tokens(llm, monkeypatch, atol=1e-3,
+                                           after_fused=lambda: calls)
 
 
 def test_float32_never_takes_the_fused_path(tiny_checkpoint, monkeypatch):

@@ -50,14 +50,10 @@
 #include <vector>
 
 #include "met_vnni.h"
+#include "met_w4a8_layout.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kBlocks = 4;  // 16-channel blocks per group
-constexpr int64_t kGroup = kLanes * kBlocks;
-constexpr int64_t kK = 32;      // values per quantization block
-constexpr int kTileRows = 4;
 constexpr int64_t kStreamOutBytes = int64_t{4} << 20;  // float32 outputs past this stream out
 
 bool supported() { return vnni_supported(); }
@@ -167,11 +163,6 @@ MET_VNNI_TARGET inline void store16(const Problem& p, int64_t r, int64_t n, __m5
   store_out(out, y, p.out_float, tail_mask(p.N - n));
 }
 
-// Bytes of packed weights per 32-value block of 64 channels: four pairs of nibble quads
-// (4-bit) or eight quads of bytes (8-bit).
-template <bool kQ8>
-constexpr int64_t kBlockBytes = (kQ8 ? 8 : 4) * kBlocks * 64;
-
 // The float steps after a block's integer sums isum (row r, channels j), the same in both
 // kernels below. 4-bit: acc += isum · (d s) + m · sq. 8-bit weights are stored plus 128
 // (VPDPBUSD wants them unsigned): isum - 128 · qsum is the exact sum, acc += it · (d s).
@@ -273,13 +264,6 @@ MET_VNNI_TARGET void blocks_all_rows(const Problem& p, int64_t g, int j0, int j1
   }
 }
 
-// From 8 rows of 4-bit weights on, two 16-channel blocks per pass: a tile's accumulators,
-// integer sums and unpacked weights then fit in the 32 vector registers (9-12% faster than
-// four blocks at 16-512 rows on Zen 4, the same bits). Fewer rows, and 8-bit weights (no
-// unpacking to share), take all four blocks in one pass.
-template <bool kQ8>
-constexpr bool two_block_passes(int64_t M) { return !kQ8 && M >= 8; }
-
 // The VNNI path's work as units numbered group-major: from 8 rows on a unit is one four-row
 // tile of a group (every block), below that one 16-channel block of a group (every row). A
 // task runs units u0..u1, so threads get equal shares where whole groups would not split
@@ -297,8 +281,12 @@ MET_VNNI_TARGET void vnni_units(const Problem& p, int64_t u0, int64_t u1) {
     const int64_t last = std::min(per_group, first + (u1 - u));  // this group's units: [first, last)
     u += last - first;
     if (p.M >= 8) {
+      // Two 16-channel blocks per pass for 4-bit weights: a tile's accumulators, integer
+      // sums and unpacked weights then fit in the 32 vector registers (9-12% faster than
+      // four blocks at 16-512 rows on Zen 4, the same bits). 8-bit weights (no unpacking to
+      // share), and fewer rows (below), take all four blocks in one pass.
       const int64_t r0 = first * kTileRows, r1 = std::min(p.M, last * kTileRows);
-      constexpr int kPass = two_block_passes<kQ8>(8) ? 2 : kBlocks;
+      constexpr int kPass = kQ8 ? kBlocks : 2;
       for (int j0 = 0; j0 < kBlocks && g * kGroup + j0 * kLanes < p.N; j0 += kPass)
         rows_of_blocks<kQ8, kPass>(p, g, r0, r1, j0);
     } else {
@@ -637,28 +625,9 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
                const at::Tensor& d, const at::Tensor* m, const std::optional<at::Tensor>& bias,
                int64_t N, bool out_float, int64_t amx_min_rows, int64_t prompt_rows) {
   TORCH_CHECK(supported(), op, ": this CPU has no AVX512-VNNI");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 ||
-                               x.scalar_type() == at::kFloat) &&
-                  x.is_cpu() && x.is_contiguous(),
-              op, ": x must be a contiguous 2-D bfloat16 or float32 CPU tensor");
+  check_args(op, q8, x, packed, d, m, bias, N, prompt_rows);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kK == 0, op, ": K must be a multiple of 32, got ", K);
   const int64_t groups = (N + kGroup - 1) / kGroup, nb = K / kK;
-  const int64_t block_bytes = q8 ? kBlockBytes<true> : kBlockBytes<false>;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == groups * nb * block_bytes,
-              op, ": packed weights do not match x's ", K, " features and ", N, " outputs");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() &&
-                  d.numel() == groups * nb * kGroup,
-              op, ": d must be float16 [groups, K / 32, 64]");
-  TORCH_CHECK(m == nullptr || (m->scalar_type() == at::kHalf && m->is_contiguous() &&
-                               m->numel() == d.numel()),
-              op, ": m must be float16 [groups, K / 32, 64]");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
-                                    bias->is_contiguous() && bias->numel() == groups * kGroup),
-              op, ": bias must be float32 [groups * 64]");
-  TORCH_CHECK(prompt_rows >= 0 && prompt_rows <= M, op, ": prompt_rows must be in [0, ", M,
-              "], got ", prompt_rows);
   TORCH_CHECK(prompt_rows == 0 || (!q8 && amx_bf16_supported() &&
                                     x.scalar_type() == at::kBFloat16),
               op, ": prompt rows need 4-bit weights, bfloat16 rows and AMX-BF16");
@@ -752,10 +721,6 @@ TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
   m.def("supported() -> bool", &supported);
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_bf16_supported() -> bool", &amx_bf16_supported);
-  m.def("linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor? bias, int out_features, "
-        "bool out_float, int amx_min_rows, int prompt_rows) -> Tensor",
-        &linear);
-  m.def("linear_q8(Tensor x, Tensor packed, Tensor d, Tensor? bias, int out_features, "
-        "bool out_float, int amx_min_rows) -> Tensor",
-        &linear_q8);
+  m.def(kLinearSchema, &linear);
+  m.def(kLinearQ8Schema, &linear_q8);
 }

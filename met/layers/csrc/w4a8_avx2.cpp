@@ -28,14 +28,11 @@
 #include <optional>
 #include <vector>
 
+#include "met_w4a8_layout.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;   // channels per block j of the layout
-constexpr int64_t kBlocks = 4;   // blocks j per group
-constexpr int64_t kGroup = kLanes * kBlocks;
 constexpr int64_t kHalves = 2 * kBlocks;  // eight-channel halves per group
-constexpr int64_t kK = 32;       // values per quantization block
-constexpr int kTileRows = 4;
 
 bool supported() {
 #if defined(__x86_64__)
@@ -121,9 +118,6 @@ struct Problem {
   int64_t M, K, N;
   bool out_float;
 };
-
-template <bool kQ8>
-constexpr int64_t kBlockBytes = (kQ8 ? 8 : 4) * kBlocks * 64;
 
 // Row r's eight outputs at channel n (fewer at the end of N): + bias, stored as float32 or
 // rounded to bfloat16 (nearest even, as w4a8.cpp's store_out).
@@ -287,26 +281,9 @@ at::Tensor run(const char* op, bool q8, const at::Tensor& x, const at::Tensor& p
                const at::Tensor& d, const at::Tensor* m, const std::optional<at::Tensor>& bias,
                int64_t N, bool out_float, int64_t prompt_rows) {
   TORCH_CHECK(supported(), op, ": this CPU has no AVX2/FMA/F16C");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 ||
-                               x.scalar_type() == at::kFloat) &&
-                  x.is_cpu() && x.is_contiguous(),
-              op, ": x must be a contiguous 2-D bfloat16 or float32 CPU tensor");
+  check_args(op, q8, x, packed, d, m, bias, N, prompt_rows);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kK == 0, op, ": K must be a multiple of 32, got ", K);
   const int64_t groups = (N + kGroup - 1) / kGroup, nb = K / kK;
-  const int64_t block_bytes = q8 ? kBlockBytes<true> : kBlockBytes<false>;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == groups * nb * block_bytes,
-              op, ": packed weights do not match x's ", K, " features and ", N, " outputs");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() &&
-                  d.numel() == groups * nb * kGroup,
-              op, ": d must be float16 [groups, K / 32, 64]");
-  TORCH_CHECK(m == nullptr || (m->scalar_type() == at::kHalf && m->is_contiguous() &&
-                               m->numel() == d.numel()),
-              op, ": m must be float16 [groups, K / 32, 64]");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
-                                    bias->is_contiguous() && bias->numel() == groups * kGroup),
-              op, ": bias must be float32 [groups * 64]");
   TORCH_CHECK(prompt_rows == 0, op, ": prompt rows need AMX-BF16 (w4a8.cpp)");
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
@@ -359,10 +336,6 @@ TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
   m.def("supported() -> bool", &supported);
   m.def("amx_supported() -> bool", &no_amx);
   m.def("amx_bf16_supported() -> bool", &no_amx);
-  m.def("linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor? bias, int out_features, "
-        "bool out_float, int amx_min_rows, int prompt_rows) -> Tensor",
-        &linear);
-  m.def("linear_q8(Tensor x, Tensor packed, Tensor d, Tensor? bias, int out_features, "
-        "bool out_float, int amx_min_rows) -> Tensor",
-        &linear_q8);
+  m.def(kLinearSchema, &linear);
+  m.def(kLinearQ8Schema, &linear_q8);
 }
