@@ -560,6 +560,92 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
   }
 }
 
+// ---- The narrow variant, for CPUs without AVX-512 (16 vector registers of 8 floats) ----
+// There the blocks above do not fit: 3 heads x 8 keys of 16-lane partial sums alone are 48
+// ymm registers, and the compiled loop spent most of its time spilling them (measured on an
+// AMD Zen 3: ~4 GFLOP/s). The narrow scores keep eight 8-lane sums (one head, eight keys) in
+// registers; the value pass takes one head and two 16-lane vectors of the row at a time. A
+// CPU runs one variant only (chosen once, see kWideBlocks), so its results stay reproducible
+// and batch-invariant; the two variants add in different orders.
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef int32_t vint8 __attribute__((vector_size(32)));
+typedef uint32_t vuint8 __attribute__((vector_size(32)));
+
+// Half `half` (lanes 8 * half ..) of row_vector<T, kOdd>(row, c), read on its own.
+template <typename T, int kOdd>
+MET_INLINE vfloat8 row_half(const T* row, int64_t c, int half) {
+  if constexpr (std::is_same_v<T, float>) {
+    vfloat8 f;
+    std::memcpy(&f, row + c * kLanes + half * 8, sizeof(f));
+    return f;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    vint8 w;
+    std::memcpy(&w, row + (c / 4) * 64 + half * 32, sizeof(w));
+    const vint8 x = (w << (24 - 8 * static_cast<int>(c % 4))) >> 24;
+    return __builtin_convertvector(x, vfloat8);
+  } else {
+    vuint8 w;
+    std::memcpy(&w, row + (c - kOdd) * kLanes + half * 16, sizeof(w));
+    const vuint8 x = kOdd ? (w & 0xFFFF0000u) : (w << 16);
+    vfloat8 f;
+    std::memcpy(&f, &x, sizeof(f));
+    return f;
+  }
+}
+
+// Lane j of the result is the sum of the lanes of a[j], by the same tree for every j.
+MET_INLINE vfloat8 hsum8_narrow(const vfloat8* a) {
+  vfloat8 r1[4], r2[2];
+  for (int m = 0; m < 4; ++m) {  // lanes 0-3: a[2m]'s half sums, 4-7: a[2m + 1]'s
+    const vfloat8 x = a[2 * m], y = a[2 * m + 1];
+    r1[m] = __builtin_shuffle(x, y, vint8{0, 1, 2, 3, 8, 9, 10, 11}) +
+            __builtin_shuffle(x, y, vint8{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  for (int m = 0; m < 2; ++m) {  // pairs of lanes: a[4m], a[4m + 2], a[4m + 1], a[4m + 3]
+    const vfloat8 x = r1[2 * m], y = r1[2 * m + 1];
+    r2[m] = __builtin_shuffle(x, y, vint8{0, 1, 8, 9, 4, 5, 12, 13}) +
+            __builtin_shuffle(x, y, vint8{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  // lanes: a[0], a[2], a[4], a[6], a[1], a[3], a[5], a[7]
+  const vfloat8 r3 = __builtin_shuffle(r2[0], r2[1], vint8{0, 2, 8, 10, 4, 6, 12, 14}) +
+                     __builtin_shuffle(r2[0], r2[1], vint8{1, 3, 9, 11, 5, 7, 13, 15});
+  return __builtin_shuffle(r3, vint8{0, 4, 1, 5, 2, 6, 3, 7});
+}
+
+template <typename T, int kOdd>
+MET_INLINE void dot_step_narrow(const T* const* rows, const float* q, int64_t c,
+                                vfloat8* dots) {
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    vfloat8 qv;
+    std::memcpy(&qv, q + c * kLanes + half * 8, sizeof(qv));
+#pragma GCC unroll 8
+    for (int j = 0; j < kKeyBlock; ++j) dots[j] += qv * row_half<T, kOdd>(rows[j], c, half);
+  }
+}
+
+// score_block for one head (q: its row of Dp floats), in 8-lane vectors.
+template <typename T>
+MET_INLINE void score_block_narrow(const T* kg, int64_t s1, const float* row_scale,
+                                   const int64_t* slots, int64_t n, const float* q, int64_t Dp,
+                                   float scale, float* s) {
+  const T* rows[kKeyBlock];
+  for (int j = 0; j < kKeyBlock; ++j) rows[j] = kg + slots[j < n ? j : n - 1] * s1;
+  vfloat8 key_scale = scale - vfloat8{};
+  if constexpr (std::is_same_v<T, int8_t>) {
+    for (int j = 0; j < kKeyBlock; ++j) {
+      key_scale[j] = scale * row_scale[slots[j < n ? j : n - 1]];
+    }
+  }
+  vfloat8 dots[kKeyBlock] = {};
+  for (int64_t c = 0; c < Dp; c += 2 * kLanes) {
+    dot_step_narrow<T, 0>(rows, q, c / kLanes, dots);
+    dot_step_narrow<T, 1>(rows, q, c / kLanes + 1, dots);
+  }
+  const vfloat8 r = hsum8_narrow(dots) * key_scale;
+  std::memcpy(s, &r, kKeyBlock * sizeof(float));
+}
+
 // acc[h][d0..d0+CB*16) += sum over the L keys, in order, of w[h * Lp + t] * value row t.
 template <typename T, int GB, int CB>
 MET_INLINE void value_pass(const T* vg, int64_t s1, const int64_t* slots, int64_t L,
@@ -623,10 +709,96 @@ MET_INLINE void values_fast(const Problem& p, const T* vg, const int64_t* slots,
   if (d0 < p.D) value_pass<T, GB, 2>(vg, p.v_s1, slots, L, w, Lp, d0, acc, Dp);
 }
 
+// scores_fast for CPUs without AVX-512: each block of eight keys scored for one head at a
+// time (its rows stay in L1 across the heads).
+template <typename T>
+MET_INLINE void scores_narrow(const Problem& p, const T* kg, const float* row_scale,
+                              const int64_t* slots, int64_t L, const float* qf, int64_t G,
+                              int64_t Dp, float* s, int64_t Lp) {
+  for (int64_t t0 = 0; t0 < L; t0 += kKeyBlock) {
+    const int64_t n = std::min<int64_t>(kKeyBlock, L - t0);
+    prefetch_rows(kg, p.k_s1, p.k_s2, slots + t0 + kKeyBlock,
+                  std::min<int64_t>(kKeyBlock, L - t0 - kKeyBlock), p.D);
+    prefetch_rows<T, 2>(kg, p.k_s1, p.k_s2, slots + t0 + kFarRows,
+                        std::min<int64_t>(kKeyBlock, L - t0 - kFarRows), p.D);
+    for (int64_t h = 0; h < G; ++h) {
+      score_block_narrow<T>(kg, p.k_s1, row_scale, slots + t0, n, qf + h * Dp, Dp, p.scale,
+                            s + h * Lp + t0);
+    }
+  }
+}
+
+// value_pass in 8-lane vectors: lanes 8 * half .. of the CB 16-lane vectors of the rows from
+// d0 on, for GB heads (a[GB][CB] and the row's CB vectors stay in registers).
+template <typename T, int GB, int CB>
+MET_INLINE void value_pass_narrow(const T* vg, int64_t s1, const int64_t* slots, int64_t L,
+                                  const float* w, int64_t Lp, int64_t d0, int half, float* acc,
+                                  int64_t Dp) {
+  vfloat8 a[GB][CB] = {};
+  const int64_t bytes = CB * kLanes * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < L; ++t) {
+    if (half == 0 && t + kKeyBlock < L) {
+      const char* ahead = reinterpret_cast<const char*>(vg + slots[t + kKeyBlock] * s1 + d0);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b);
+    }
+    if (half == 0 && t + kFarRows < L) {
+      const char* far = reinterpret_cast<const char*>(vg + slots[t + kFarRows] * s1 + d0);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(far + b, 0, 2);
+    }
+    const T* row = vg + slots[t] * s1 + d0;
+    vfloat8 v[CB];
+#pragma GCC unroll 4
+    for (int c = 0; c < CB; c += 2) {
+      v[c] = row_half<T, 0>(row, c, half);
+      v[c + 1] = row_half<T, 1>(row, c + 1, half);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < GB; ++h) {
+      const vfloat8 wv = w[h * Lp + t] - vfloat8{};
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) a[h][c] += wv * v[c];
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < GB; ++h) {
+#pragma GCC unroll 4
+    for (int c = 0; c < CB; ++c) {
+      std::memcpy(acc + h * Dp + d0 + c * kLanes + half * 8, &a[h][c], sizeof(a[h][c]));
+    }
+  }
+}
+
+template <typename T, int GB>
+MET_INLINE void values_narrow_heads(const Problem& p, const T* vg, const int64_t* slots,
+                                    int64_t L, const float* w, int64_t Lp, float* acc,
+                                    int64_t Dp) {
+  for (int half = 0; half < 2; ++half) {
+    int64_t d0 = 0;
+    for (; d0 + 4 * kLanes <= p.D; d0 += 4 * kLanes) {
+      value_pass_narrow<T, GB, 4>(vg, p.v_s1, slots, L, w, Lp, d0, half, acc, Dp);
+    }
+    if (d0 < p.D) value_pass_narrow<T, GB, 2>(vg, p.v_s1, slots, L, w, Lp, d0, half, acc, Dp);
+  }
+}
+
+// values_fast for CPUs without AVX-512: two heads at a time.
+template <typename T>
+MET_INLINE void values_narrow(const Problem& p, const T* vg, const int64_t* slots, int64_t L,
+                              const float* w, int64_t G, int64_t Lp, float* acc, int64_t Dp) {
+  for (int64_t h0 = 0; h0 < G; h0 += 2) {
+    if (G - h0 >= 2) {
+      values_narrow_heads<T, 2>(p, vg, slots, L, w + h0 * Lp, Lp, acc + h0 * Dp, Dp);
+    } else {
+      values_narrow_heads<T, 1>(p, vg, slots, L, w + h0 * Lp, Lp, acc + h0 * Dp, Dp);
+    }
+  }
+}
+
 // attend_one for contiguous rows with D % 32 == 0: the same maths on the same inputs (in
 // another, equally fixed, order), no tile. Q is the queries' (and output's) type, T the
-// cache's: the same, or int8 rows with float32 scales.
-template <typename Q, typename T>
+// cache's: the same, or int8 rows with float32 scales. kWide: the AVX-512 blocking, else the
+// narrow one.
+template <typename Q, typename T, bool kWide>
 MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, float* ws) {
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   constexpr int kOrder = std::is_same_v<T, c10::BFloat16> ? kPairOrder
@@ -644,7 +816,8 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
   float* s = acc + G * Dp;   // [G, Lp]: scores, then probabilities
 
   load_q<Q, kOrder>(p, i, g, qf);
-  for (int64_t h0 = 0; h0 < G; h0 += kHeadBlock) {
+  if constexpr (!kWide) scores_narrow<T>(p, kg, k_scale, slots, L, qf, G, Dp, s, Lp);
+  for (int64_t h0 = 0; kWide && h0 < G; h0 += kHeadBlock) {
     const float* qh = qf + h0 * Dp;
     float* sh = s + h0 * Lp;
     switch (std::min<int64_t>(kHeadBlock, G - h0)) {
@@ -664,7 +837,8 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
       for (int64_t h = 0; h < G; ++h) s[h * Lp + t] *= vs;
     }
   }
-  for (int64_t h0 = 0; h0 < G; h0 += kHeadBlock) {
+  if constexpr (!kWide) values_narrow<T>(p, vg, slots, L, s, G, Lp, acc, Dp);
+  for (int64_t h0 = 0; kWide && h0 < G; h0 += kHeadBlock) {
     const float* wh = s + h0 * Lp;
     float* ah = acc + h0 * Dp;
     switch (std::min<int64_t>(kHeadBlock, G - h0)) {
@@ -680,6 +854,20 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
   finish<Q, kOrder>(p, t, acc, inv_sum, row_max, row_sum);
 }
 
+// Whether this CPU takes the AVX-512 blocking of the register-blocked path (the clones'
+// x86-64-v4 test): decided once per process, so every call on a machine adds in one order.
+const bool kWideBlocks = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+
+template <typename Q, typename T>
+MET_INLINE void attend_fast_any(const Problem& p, const Span& t, const Span* next, float* ws) {
+  if (kWideBlocks) {
+    attend_fast<Q, T, true>(p, t, next, ws);
+  } else {
+    attend_fast<Q, T, false>(p, t, next, ws);
+  }
+}
+
 MET_CLONES void attend_range_f32(const Problem& p, int64_t begin, int64_t end, float* ws) {
   Span next = task_span(p, begin);
   for (int64_t task = begin; task < end; ++task) {
@@ -687,9 +875,9 @@ MET_CLONES void attend_range_f32(const Problem& p, int64_t begin, int64_t end, f
     if (task + 1 < end) next = task_span(p, task + 1);
     const Span* ahead = task + 1 < end ? &next : nullptr;
     if (p.k_scale != nullptr) {
-      attend_fast<float, int8_t>(p, t, ahead, ws);
+      attend_fast_any<float, int8_t>(p, t, ahead, ws);
     } else if (p.fast) {
-      attend_fast<float, float>(p, t, ahead, ws);
+      attend_fast_any<float, float>(p, t, ahead, ws);
     } else {
       attend_one<float, false>(p, t, ahead, ws);
     }
@@ -703,9 +891,9 @@ MET_CLONES void attend_range_bf16(const Problem& p, int64_t begin, int64_t end, 
     if (task + 1 < end) next = task_span(p, task + 1);
     const Span* ahead = task + 1 < end ? &next : nullptr;
     if (p.k_scale != nullptr) {
-      attend_fast<c10::BFloat16, int8_t>(p, t, ahead, ws);
+      attend_fast_any<c10::BFloat16, int8_t>(p, t, ahead, ws);
     } else if (p.fast) {
-      attend_fast<c10::BFloat16, c10::BFloat16>(p, t, ahead, ws);
+      attend_fast_any<c10::BFloat16, c10::BFloat16>(p, t, ahead, ws);
     } else if (p.pairs) {
       attend_one<c10::BFloat16, true>(p, t, ahead, ws);
     } else {
