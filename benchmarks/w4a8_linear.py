@@ -35,6 +35,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--amx-min-rows", type=int, default=1 << 30)
     parser.add_argument("--float32", action="store_true", help="float32 activations")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="distinct copies of the layer, run in turn as a decode step runs "
+                             "them (30 = the embedded model: its weights then come from memory "
+                             "rather than cache, as in the engine)")
     args = parser.parse_args()
     if not available():
         raise SystemExit("w4a8 kernel unavailable: this CPU has no AVX512-VNNI or AVX2 "
@@ -42,8 +46,13 @@ def main() -> None:
     dtype = torch.float32 if args.float32 else torch.bfloat16
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    layers = [Int4Dynamic(torch.randn(n, k) * 0.05, None) for n, k in SHAPES]
+    layers = [Int4Dynamic(torch.randn(n, k) * 0.05, None)
+              for _ in range(args.layers) for n, k in SHAPES]
     head = Int8Blocks(torch.randn(VOCAB, HIDDEN) * 0.05, None)
+    weight_bytes = sum(t.numel() * t.element_size() for t in layers[0]._bound()[1]) \
+        + sum(t.numel() * t.element_size() for t in layers[1]._bound()[1]) \
+        + sum(t.numel() * t.element_size() for t in layers[2]._bound()[1]) \
+        + sum(t.numel() * t.element_size() for t in layers[3]._bound()[1])
     calls = []  # each projection's op bound once, as the engine binds it (bf16_rows)
     for layer in layers:
         kernel, weights, bias, n = layer._bound()
@@ -54,20 +63,24 @@ def main() -> None:
         xs = [torch.randn(rows, k).to(dtype) for _, k in SHAPES]
         xh = torch.randn(rows, HIDDEN).to(dtype)
         layer_s = head_s = float("inf")
-        for _ in range(args.reps):  # the layer 5 times in a row (cache-hot), then the head
+        # The layer(s) 5 times in a row (one layer: cache-hot), then the head.
+        rounds = 5 if args.layers == 1 else 1
+        for _ in range(args.reps):
             start = time.perf_counter()
-            for _ in range(5):
-                for call, x in zip(calls, xs, strict=True):
-                    call(x)
-            layer_s = min(layer_s, (time.perf_counter() - start) / 5)
+            for _ in range(rounds):
+                for i, call in enumerate(calls):
+                    call(xs[i % len(SHAPES)])
+            layer_s = min(layer_s, (time.perf_counter() - start) / (rounds * args.layers))
         for _ in range(args.reps):
             start = time.perf_counter()
             head_kernel(xh, *head_weights, None, VOCAB, True, args.amx_min_rows)
             head_s = min(head_s, time.perf_counter() - start)
         macs = rows * sum(n * k for n, k in SHAPES)
-        print(json.dumps({"rows": rows, "threads": args.threads, "kernel": kernel_isa(),
+        print(json.dumps({"rows": rows, "threads": args.threads, "layers": args.layers,
+                          "kernel": kernel_isa(),
                           "layer_ms": round(layer_s * 1e3, 4),
                           "layer_gmacs": round(macs / layer_s / 1e9, 1),
+                          "layer_weight_GBps": round(weight_bytes / layer_s / 1e9, 1),
                           "head_ms": round(head_s * 1e3, 3),
                           "head_gmacs": round(rows * VOCAB * HIDDEN / head_s / 1e9, 1)}),
               flush=True)

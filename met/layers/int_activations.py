@@ -44,6 +44,12 @@ class IntActivationLinear(nn.Module, ABC):
         subclasses bind their kernel call to skip the module lookups."""
         return lambda x: self._product(x, out_float=False)
 
+    def float32_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`forward` for 2-D contiguous float32 rows where the kernel takes them
+        (``takes_float32``; float32 out), as a bound function (`Linear.float32_rows`), else
+        None (`forward` then casts)."""
+        return None
+
     @abstractmethod
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         """x [M, K] contiguous bfloat16 (or float32, where ``takes_float32``) times the

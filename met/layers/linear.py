@@ -205,6 +205,9 @@ class Linear(nn.Module):
         # Built by pack(): the kernel call for 2-D contiguous bfloat16 rows (a decode step's),
         # with its tensors bound, so ~120 calls a step skip the module attribute lookups.
         self.bf16_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The same for float32 rows, where the quantized kernel takes and returns float32
+        # (w4a8 under a float32 model: --dtype auto on CPUs without native bfloat16).
+        self.float32_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Built by pack() under w4a8 where the CPU has AMX-BF16: ``f(x, prompt_rows)``, x's
         # first prompt_rows rows through bfloat16 weights (`Int4Dynamic.prompt_rows_kernel`).
         self.prompt_rows_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
@@ -214,10 +217,10 @@ class Linear(nn.Module):
         whose every projection has `prompt_rows_fn`): x's first rows through that path."""
         if prompt_rows:
             return self.prompt_rows_fn(x, prompt_rows)
-        bf16_rows = self.bf16_rows
-        if (bf16_rows is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-                and x.is_contiguous()):
-            return bf16_rows(x)
+        rows = (self.bf16_rows if x.dtype == torch.bfloat16
+                else self.float32_rows if x.dtype == torch.float32 else None)
+        if rows is not None and x.dim() == 2 and x.is_contiguous():
+            return rows(x)
         if self.quantized is not None:
             # .forward: nn.Module's __call__ (hooks, tracing checks) costs a few µs, and a
             # decode step makes ~120 of these calls; the quantized module has no hooks.
@@ -240,9 +243,11 @@ class Linear(nn.Module):
         self._bind_bf16_rows()
 
     def _bind_bf16_rows(self) -> None:
-        """Set `bf16_rows`: the kernel `forward` picks for 2-D contiguous bfloat16 rows."""
+        """Set `bf16_rows` (and `float32_rows`): the kernel `forward` picks for 2-D
+        contiguous bfloat16 (float32) rows."""
         if isinstance(self.quantized, IntActivationLinear):
             self.bf16_rows = self.quantized.bf16_rows()
+            self.float32_rows = self.quantized.float32_rows()
             if isinstance(self.quantized, Int4Dynamic):
                 self.prompt_rows_fn = self.quantized.prompt_rows_kernel()
         elif self.quantized is not None:
@@ -256,6 +261,7 @@ class Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the bound tensors
         self.bf16_rows = None
+        self.float32_rows = None
         self.prompt_rows_fn = None
         return super()._apply(fn, recurse)
 

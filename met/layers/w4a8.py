@@ -191,6 +191,14 @@ class _BlockKernelLinear(IntActivationLinear):
             return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS, 0)
         return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS)
 
+    def float32_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if not self.native:
+            return None
+        kernel, weights, bias, n = self._bound()
+        if self._takes_prompt_rows:
+            return lambda x: kernel(x, *weights, bias, n, True, AMX_MIN_ROWS, 0)
+        return lambda x: kernel(x, *weights, bias, n, True, AMX_MIN_ROWS)
+
     def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
         """What a bound kernel call needs: the op, the weight buffers, the bias, N."""
         weights = tuple(getattr(self, name) for name in self._kernel_buffers)

@@ -77,25 +77,28 @@ MET_INLINE vfloat hsum16(const vfloat* a) {
 // polynomial (about 1 ulp). Unlike libm's scalar expf it vectorizes, and it gives the same
 // bits on every clone. Inputs below -87 are clamped so that 2^n stays a normal float
 // (exp(-87) ~ 2e-38 is negligible next to the max term's 1).
-MET_INLINE vfloat vexp_nonpositive(vfloat x) {
-  const vfloat lo = MET_SPLAT(-87.0f);
+template <typename V, typename VI>
+MET_INLINE V vexp_nonpositive_t(V x) {
+  const V lo = -87.0f - V{};
   x = x < lo ? lo : x;
   // n = round(x / ln2): x <= 0, so truncating (y - 0.5) towards zero rounds to nearest.
-  const vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);
-  const vfloat fn = __builtin_convertvector(n, vfloat);
-  vfloat r = x - fn * 0.693359375f;  // ln2 split in two so that the first product is exact
+  const VI n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, VI);
+  const V fn = __builtin_convertvector(n, V);
+  V r = x - fn * 0.693359375f;  // ln2 split in two so that the first product is exact
   r = r - fn * -2.12194440e-4f;
-  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vint bits = (n + 127) << 23;
-  vfloat two_n;
+  const VI bits = (n + 127) << 23;
+  V two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
 }
+
+MET_INLINE vfloat vexp_nonpositive(vfloat x) { return vexp_nonpositive_t<vfloat, vint>(x); }
 
 template <typename T>
 MET_INLINE float to_float(T x) {
@@ -272,6 +275,46 @@ MET_INLINE void softmax_rows(float* s, int64_t G, int64_t L, int64_t Lp, float* 
     row_max[h] = m;
     row_sum[h] = hsum(total);
     inv_sum[h] = 1.f / row_sum[h];
+  }
+}
+
+// softmax_rows in 8-lane vectors, for the narrow path (GCC lowers the 16-lane selects of
+// softmax_rows lane by lane for AVX2). The same maths; the lane sums add in another order.
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef int32_t vint8 __attribute__((vector_size(32)));
+typedef uint32_t vuint8 __attribute__((vector_size(32)));
+
+MET_INLINE void softmax_rows_narrow(float* s, int64_t G, int64_t L, int64_t Lp, float* inv_sum,
+                                    float* row_max, float* row_sum) {
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh = s + h * Lp;
+    for (int64_t t = L; t < Lp; ++t) sh[t] = -3.0e38f;
+    vfloat8 vmax;
+    std::memcpy(&vmax, sh, sizeof(vmax));
+    for (int64_t t = 8; t < Lp; t += 8) {
+      vfloat8 x;
+      std::memcpy(&x, sh + t, sizeof(x));
+      vmax = x > vmax ? x : vmax;
+    }
+    float m = vmax[0];
+    for (int l = 1; l < 8; ++l) m = std::max(m, vmax[l]);
+    vfloat8 total = {};
+    for (int64_t t = 0; t < Lp; t += 8) {
+      vfloat8 x;
+      std::memcpy(&x, sh + t, sizeof(x));
+      vfloat8 e = vexp_nonpositive_t<vfloat8, vint8>(x - m);
+      std::memcpy(sh + t, &e, sizeof(e));
+      if (t + 8 > L) {
+        for (int64_t u = std::max(L, t); u < t + 8; ++u) sh[u] = 0.f;
+        std::memcpy(&e, sh + t, sizeof(e));
+      }
+      total += e;
+    }
+    float sum = 0.f;
+    for (int l = 0; l < 8; ++l) sum += total[l];
+    row_max[h] = m;
+    row_sum[h] = sum;
+    inv_sum[h] = 1.f / sum;
   }
 }
 
@@ -567,10 +610,6 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
 // registers; the value pass takes one head and two 16-lane vectors of the row at a time. A
 // CPU runs one variant only (chosen once, see kWideBlocks), so its results stay reproducible
 // and batch-invariant; the two variants add in different orders.
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef int32_t vint8 __attribute__((vector_size(32)));
-typedef uint32_t vuint8 __attribute__((vector_size(32)));
-
 // Half `half` (lanes 8 * half ..) of row_vector<T, kOdd>(row, c), read on its own.
 template <typename T, int kOdd>
 MET_INLINE vfloat8 row_half(const T* row, int64_t c, int half) {
@@ -828,7 +867,11 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
   }
   prefetch_rows(vg, p.v_s1, p.v_s2, slots, std::min<int64_t>(kKeyBlock, L), D);
   float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
-  softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
+  if constexpr (kWide) {
+    softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
+  } else {
+    softmax_rows_narrow(s, G, L, Lp, inv_sum, row_max, row_sum);
+  }
   if constexpr (kInt8) {
     // Each value row's scale joins its weight: sum_t w_t (s_t q_t) = sum_t (w_t s_t) q_t.
     const float* v_scale = p.v_scale + g * p.S;
