@@ -36,7 +36,7 @@ from met.layers.native import load_native_ops, native_op
 # (ISA, op namespace, csrc file): the AVX512-VNNI kernel (with AMX tiles where present) and,
 # for CPUs with AVX2 only, the same ops, layout and bits from VPMADDUBSW (`_kernel` picks).
 _KERNELS = (("avx512-vnni", "met_w4a8_v13", "w4a8.cpp"),
-            ("avx2", "met_w4a8_avx2_v2", "w4a8_avx2.cpp"))
+            ("avx2", "met_w4a8_avx2_v4", "w4a8_avx2.cpp"))
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
 # From this many rows on, AMX-INT8 tiles (where the CPU has them) compute the block sums:

@@ -154,6 +154,21 @@ MET_AVX2_TARGET inline void store8(const Problem& p, int64_t r, int64_t n, __m25
   }
 }
 
+// Weights stream from memory (the model's ~70 MB do not stay in cache between steps); at a
+// few rows there is little arithmetic per byte to hide the latency behind, so the tile that
+// starts a unit's four halves (128 bytes of each 256-byte row) asks for that span of the
+// block kAhead blocks on. (Zen 3, 30 layers in turn: one row 0.164 -> 0.139 ms per layer,
+// the 8-bit head 2.0 -> 1.25 ms.)
+constexpr int64_t kAhead = 2;
+template <bool kQ8>
+MET_AVX2_TARGET inline void prefetch_block(const uint8_t* w, int64_t off) {
+  for (int row = 0; row < (kQ8 ? 8 : 4); ++row) {
+    const char* line = reinterpret_cast<const char*>(w + row * kBlocks * 64 + off);
+    _mm_prefetch(line, _MM_HINT_T0);
+    _mm_prefetch(line + 64, _MM_HINT_T0);
+  }
+}
+
 // Rows m0..m0+R of halves c0..c0+C of group g (half c: channels 8 c.. of the group, block
 // j = c / 2, its lanes 8 (c % 2)..).
 template <int R, int C, bool kQ8>
@@ -173,6 +188,7 @@ MET_AVX2_TARGET void tile(const Problem& p, int64_t g, int64_t m0, int c0) {
   for (int c = 0; c < C; ++c) off[c] = ((c0 + c) / 2) * 64 + ((c0 + c) % 2) * 32;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wg + b * kBlockBytes<kQ8>;
+    if (c0 % 4 == 0 && b + kAhead < nb) prefetch_block<kQ8>(w + kAhead * kBlockBytes<kQ8>, off[0]);
     __m256i isum[R][C];
     if constexpr (kQ8) {
       for (int r = 0; r < R; ++r)
