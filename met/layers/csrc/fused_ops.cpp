@@ -121,27 +121,42 @@ MET_INLINE vfloat rnd(vfloat f) {
 
 // exp(x), sixteen at a time: Cephes' expf polynomial (about 1 ulp), clamped to [-87, 88] so
 // that 2^n stays a normal float.
-MET_INLINE vfloat vexp(vfloat x) {
-  const vfloat lo = MET_SPLAT(-87.0f), hi = MET_SPLAT(88.0f);
+template <typename V, typename VI>
+MET_INLINE V vexp_t(V x) {
+  const V lo = -87.0f - V{}, hi = 88.0f - V{};
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  vfloat t = x * 1.44269504088896341f;
-  t = t + (t < 0.0f ? MET_SPLAT(-0.5f) : MET_SPLAT(0.5f));  // round half away from zero
-  const vint n = __builtin_convertvector(t, vint);
-  const vfloat fn = __builtin_convertvector(n, vfloat);
-  vfloat r = x - fn * 0.693359375f;  // ln2 in two parts: the first product is exact
+  V t = x * 1.44269504088896341f;
+  t = t + (t < 0.0f ? -0.5f - V{} : 0.5f - V{});  // round half away from zero
+  const VI n = __builtin_convertvector(t, VI);
+  const V fn = __builtin_convertvector(n, V);
+  V r = x - fn * 0.693359375f;  // ln2 in two parts: the first product is exact
   r = r - fn * -2.12194440e-4f;
-  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vint bits = (n + 127) << 23;
-  vfloat two_n;
+  const VI bits = (n + 127) << 23;
+  V two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
 }
+
+MET_INLINE vfloat vexp(vfloat x) { return vexp_t<vfloat, vint>(x); }
+
+// ---- Narrow variants, for CPUs without AVX-512 ----------------------------------------------
+// GCC lowers a select (a < b ? a : b) on the sixteen-lane vectors above lane by lane, through
+// the stack, when the clone has only 8-lane registers (AVX2): SiLU's exp and the argmax ran
+// several times slower than their loads. Where a function has selects it also has a variant
+// in 8-lane vectors; the CPU picks one once per process (kWide). Both give the same bits
+// (element-wise maths; the argmax's first maximum does not depend on the lane count).
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef int32_t vint8 __attribute__((vector_size(32)));
+
+const bool kWide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 
 // ---- RMSNorm ---------------------------------------------------------------------------
 
@@ -286,6 +301,46 @@ MET_TYPED_ENTRIES(silu_mul_rows, silu_mul_rows_impl,
                   (const void* gu, void* out, int64_t r0, int64_t r1, int64_t I),
                   (gu, out, r0, r1, I))
 
+// silu_mul_rows_f32 in 8-lane vectors (float32 only: no rounding steps).
+MET_CLONES void silu_mul_rows_f32_narrow(const void* gu_, void* out_, int64_t r0, int64_t r1,
+                                         int64_t I) {
+  const float* gu = static_cast<const float*>(gu_);
+  float* out = static_cast<float*>(out_);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gu + r * 2 * I;
+    const float* u = g + I;
+    float* o = out + r * I;
+    int64_t i = 0;
+    for (; i + 32 <= I; i += 32) {
+      vfloat8 s[4];
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        vfloat8 x;
+        std::memcpy(&x, g + i + v * 8, sizeof(x));
+        s[v] = x / (1.0f + vexp_t<vfloat8, vint8>(-x));
+      }
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        vfloat8 up;
+        std::memcpy(&up, u + i + v * 8, sizeof(up));
+        const vfloat8 y = s[v] * up;
+        std::memcpy(o + i + v * 8, &y, sizeof(y));
+      }
+    }
+    for (; i < I; i += 8) {
+      const int64_t n = std::min<int64_t>(8, I - i);
+      float xt[8] = {}, ut[8] = {};
+      std::memcpy(xt, g + i, n * sizeof(float));
+      std::memcpy(ut, u + i, n * sizeof(float));
+      vfloat8 x, up;
+      std::memcpy(&x, xt, sizeof(x));
+      std::memcpy(&up, ut, sizeof(up));
+      const vfloat8 y = x / (1.0f + vexp_t<vfloat8, vint8>(-x)) * up;
+      std::memcpy(o + i, &y, n * sizeof(float));
+    }
+  }
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul", "gate_up");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
@@ -295,7 +350,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const void* gp = gate_up.data_ptr();
   void* op = out.data_ptr();
   at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
-    MET_CALL_TYPED(f32, silu_mul_rows, gp, op, b, e, I);
+    if (f32 && !kWide) {
+      silu_mul_rows_f32_narrow(gp, op, b, e, I);
+    } else {
+      MET_CALL_TYPED(f32, silu_mul_rows, gp, op, b, e, I);
+    }
   });
   return out;
 }
@@ -468,23 +527,26 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
 
 // Rows [r0, r1) of [T, V]: the index of each row's maximum, the first one on ties, a NaN
 // counting as the maximum (what torch.argmax returns).
-MET_CLONES void argmax_rows(const float* x, int64_t* out, int64_t r0, int64_t r1, int64_t V) {
+template <typename VF, typename VI>
+MET_INLINE void argmax_rows_t(const float* x, int64_t* out, int64_t r0, int64_t r1, int64_t V) {
+  constexpr int64_t kW = sizeof(VF) / sizeof(float);
   for (int64_t r = r0; r < r1; ++r) {
     const float* row = x + r * V;
-    vfloat best = MET_SPLAT(-INFINITY);
-    vint nan_seen = {};
+    VF best = -INFINITY - VF{};
+    VI nan_seen = {};
     int64_t v = 0;
-    for (; v + kLanes <= V; v += kLanes) {
-      const vfloat chunk = vload(row + v);
+    for (; v + kW <= V; v += kW) {
+      VF chunk;
+      std::memcpy(&chunk, row + v, sizeof(chunk));
       nan_seen |= chunk != chunk;
       best = chunk > best ? chunk : best;
     }
     float m = -INFINITY;
-    float lanes[kLanes];
+    float lanes[kW];
     std::memcpy(lanes, &best, sizeof(lanes));
-    for (int l = 0; l < kLanes; ++l) m = std::max(m, lanes[l]);
+    for (int l = 0; l < kW; ++l) m = std::max(m, lanes[l]);
     bool nan = false;
-    for (int l = 0; l < kLanes; ++l) nan |= nan_seen[l] != 0;
+    for (int l = 0; l < kW; ++l) nan |= nan_seen[l] != 0;
     for (int64_t t = v; t < V; ++t) {
       nan |= std::isnan(row[t]);
       m = std::max(m, row[t]);
@@ -496,6 +558,14 @@ MET_CLONES void argmax_rows(const float* x, int64_t* out, int64_t r0, int64_t r1
       while (row[idx] != m) ++idx;  // m is one of the row's values: the scan stops
     }
     out[r] = idx;
+  }
+}
+
+MET_CLONES void argmax_rows(const float* x, int64_t* out, int64_t r0, int64_t r1, int64_t V) {
+  if (kWide) {
+    argmax_rows_t<vfloat, vint>(x, out, r0, r1, V);
+  } else {
+    argmax_rows_t<vfloat8, vint8>(x, out, r0, r1, V);
   }
 }
 
