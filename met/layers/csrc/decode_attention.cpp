@@ -283,6 +283,11 @@ MET_INLINE void softmax_rows(float* s, int64_t G, int64_t L, int64_t Lp, float* 
 typedef float vfloat8 __attribute__((vector_size(32)));
 typedef int32_t vint8 __attribute__((vector_size(32)));
 typedef uint32_t vuint8 __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define MET_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define MET_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, vint8{__VA_ARGS__})
+#endif
 
 MET_INLINE void softmax_rows_narrow(float* s, int64_t G, int64_t L, int64_t Lp, float* inv_sum,
                                     float* row_max, float* row_sum) {
@@ -607,9 +612,10 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
 // There the blocks above do not fit: 3 heads x 8 keys of 16-lane partial sums alone are 48
 // ymm registers, and the compiled loop spent most of its time spilling them (measured on an
 // AMD Zen 3: ~4 GFLOP/s). The narrow scores keep eight 8-lane sums (one head, eight keys) in
-// registers; the value pass takes one head and two 16-lane vectors of the row at a time. A
-// CPU runs one variant only (chosen once, see kWideBlocks), so its results stay reproducible
-// and batch-invariant; the two variants add in different orders.
+// registers; the value pass keeps two heads x four 8-lane sums. A CPU runs one variant only
+// (chosen once, see kWideBlocks), so its results stay reproducible and batch-invariant; the
+// two variants add in different orders.
+
 // Half `half` (lanes 8 * half ..) of row_vector<T, kOdd>(row, c), read on its own.
 template <typename T, int kOdd>
 MET_INLINE vfloat8 row_half(const T* row, int64_t c, int half) {
@@ -637,18 +643,18 @@ MET_INLINE vfloat8 hsum8_narrow(const vfloat8* a) {
   vfloat8 r1[4], r2[2];
   for (int m = 0; m < 4; ++m) {  // lanes 0-3: a[2m]'s half sums, 4-7: a[2m + 1]'s
     const vfloat8 x = a[2 * m], y = a[2 * m + 1];
-    r1[m] = __builtin_shuffle(x, y, vint8{0, 1, 2, 3, 8, 9, 10, 11}) +
-            __builtin_shuffle(x, y, vint8{4, 5, 6, 7, 12, 13, 14, 15});
+    r1[m] = MET_SHUFFLE8(x, y, 0, 1, 2, 3, 8, 9, 10, 11) +
+            MET_SHUFFLE8(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
   }
   for (int m = 0; m < 2; ++m) {  // pairs of lanes: a[4m], a[4m + 2], a[4m + 1], a[4m + 3]
     const vfloat8 x = r1[2 * m], y = r1[2 * m + 1];
-    r2[m] = __builtin_shuffle(x, y, vint8{0, 1, 8, 9, 4, 5, 12, 13}) +
-            __builtin_shuffle(x, y, vint8{2, 3, 10, 11, 6, 7, 14, 15});
+    r2[m] = MET_SHUFFLE8(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+            MET_SHUFFLE8(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
   }
   // lanes: a[0], a[2], a[4], a[6], a[1], a[3], a[5], a[7]
-  const vfloat8 r3 = __builtin_shuffle(r2[0], r2[1], vint8{0, 2, 8, 10, 4, 6, 12, 14}) +
-                     __builtin_shuffle(r2[0], r2[1], vint8{1, 3, 9, 11, 5, 7, 13, 15});
-  return __builtin_shuffle(r3, vint8{0, 4, 1, 5, 2, 6, 3, 7});
+  const vfloat8 r3 = MET_SHUFFLE8(r2[0], r2[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+                     MET_SHUFFLE8(r2[0], r2[1], 1, 3, 9, 11, 5, 7, 13, 15);
+  return MET_SHUFFLE8(r3, r3, 0, 4, 1, 5, 2, 6, 3, 7);
 }
 
 template <typename T, int kOdd>
@@ -899,8 +905,12 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
 
 // Whether this CPU takes the AVX-512 blocking of the register-blocked path (the clones'
 // x86-64-v4 test): decided once per process, so every call on a machine adds in one order.
-const bool kWideBlocks = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+bool has_avx512() {
+  __builtin_cpu_init();  // this runs as a static initializer: the CPU data may not be set yet
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+const bool kWideBlocks = has_avx512();
 
 template <typename Q, typename T>
 MET_INLINE void attend_fast_any(const Problem& p, const Span& t, const Span* next, float* ws) {

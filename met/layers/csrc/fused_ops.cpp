@@ -155,8 +155,12 @@ MET_INLINE vfloat vexp(vfloat x) { return vexp_t<vfloat, vint>(x); }
 typedef float vfloat8 __attribute__((vector_size(32)));
 typedef int32_t vint8 __attribute__((vector_size(32)));
 
-const bool kWide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+bool has_avx512() {
+  __builtin_cpu_init();  // this runs as a static initializer: the CPU data may not be set yet
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+const bool kWide = has_avx512();
 
 // ---- RMSNorm ---------------------------------------------------------------------------
 
