@@ -23,6 +23,8 @@ unquantized float32 path, the exact reference, never does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from met.layers.kv_cache import KVCache
@@ -42,7 +44,9 @@ def available(x: torch.Tensor, allow_float32: bool = False) -> bool:
     return x.device.type == "cpu" and x.dtype in dtypes and _ops() is not None
 
 
+@functools.cache
 def _op(name: str):
+    """The op (cached: ~150 calls a decode step)."""
     return native_op(_NAME, "fused_ops.cpp", name)
 
 
