@@ -229,6 +229,23 @@ def test_float32_rows_are_quantized_directly_with_the_same_guarantees(n, k, cls)
     assert torch.equal(layer(held.float()), layer.float_product(held))
 
 
+def test_a_float32_linear_calls_the_kernel_directly_with_the_module_path_bits():
+    """A packed w4a8 `Linear` in a float32 model binds the kernel call for 2-D contiguous
+    float32 rows (`float32_rows`, as `bf16_rows` for bfloat16): float32 out, the bits of
+    the quantized module's own forward; other shapes still go through that forward."""
+    w, b = _weights(64, 64)
+    lin = Linear(64, 64, True, torch.float32)
+    lin.weight.data, lin.bias.data = w.clone(), b.clone()
+    lin.quantize("w4a8")
+    lin.pack()
+    assert lin.float32_rows is not None
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+    y = lin(x)
+    assert y.dtype == torch.float32 and torch.equal(y, lin.quantized.forward(x))
+    batched = lin(x.reshape(2, 3, 64))  # 3-D: the module path, same rows, same bits
+    assert torch.equal(batched.reshape(6, 64), y)
+
+
 def test_every_kernel_this_cpu_runs_gives_the_same_bits():
     """csrc/w4a8.cpp (AVX512-VNNI) and csrc/w4a8_avx2.cpp compute the same exact integer sums
     and the same float steps: where a CPU runs both, their outputs are equal bit for bit
