@@ -4,7 +4,7 @@
 
 For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, + w8a8, + w4a8, and
 with the int8 KV cache: float32, bfloat16, w4a8; float32 + w4a8, auto's pick on CPUs without
-native bfloat16; --paths: indices into PATHS, the reference first) over a fixed English
+native bfloat16, with its float32 and (auto's) int8 KV cache; --paths: indices into PATHS, the reference first) over a fixed English
 text (this file's TEXT, ~230 tokens): perplexity from prompt logprobs, the largest and mean
 |Δ logprob| of the text's tokens against float32, and whether greedy answers to fixed chat
 prompts match float32's. Prints one JSON line per path.
@@ -38,7 +38,7 @@ CHATS = ["What is the capital of France?", "Name three primary colors.",
 PATHS = [("float32", None, "auto"), ("bfloat16", None, "auto"), ("bfloat16", "int8", "auto"),
          ("bfloat16", "int4", "auto"), ("bfloat16", "w8a8", "auto"), ("bfloat16", "w4a8", "auto"),
          ("float32", None, "int8"), ("bfloat16", None, "int8"), ("bfloat16", "w4a8", "int8"),
-         ("float32", "w4a8", "auto")]
+         ("float32", "w4a8", "auto"), ("float32", "w4a8", "int8")]
 
 
 def main() -> None:

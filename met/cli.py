@@ -10,6 +10,7 @@ import sys
 import time
 
 from met.bench.cli import add_bench_parser
+from met.config import KV_CACHE_DTYPES
 from met.loader.resolve import hf_cache_dirs
 
 
@@ -37,10 +38,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="KV pool size, e.g. 512MiB, 2GiB or bytes")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="auto: the model's dtype; int8: each key/value row as int8 with a "
-                        "float32 scale, ~half the bytes per token (more tokens in the pool, "
-                        "less to read per decode step)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto: the model's dtype, except int8 where --dtype auto chose "
+                        "float32 + w4a8 (CPUs without native bfloat16); model: the model's "
+                        "dtype always; int8: each key/value row as int8 with a float32 scale, "
+                        "~half the bytes per token of bfloat16 (more tokens in the pool, less "
+                        "to read per decode step)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--cache-dir", default=None,

@@ -19,9 +19,10 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 # What --quantization / EngineConfig.quantization accept; "none" (or None) turns it off and
 # "auto" lets the loader decide from the model file (met/loader/auto_quant.py).
 QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
-# What --kv-cache-dtype / EngineConfig.kv_cache_dtype accept: "auto" stores the KV cache in the
-# model's dtype, "int8" as int8 rows with a float32 scale each (met/layers/kv_cache.py).
-KV_CACHE_DTYPES = ("auto", "int8")
+# What --kv-cache-dtype / EngineConfig.kv_cache_dtype accept: "model" stores the KV cache in the
+# model's dtype, "int8" as int8 rows with a float32 scale each (met/layers/kv_cache.py), "auto"
+# the model's dtype except int8 under an auto-chosen float32 + w4a8 (EngineCore decides).
+KV_CACHE_DTYPES = ("auto", "model", "int8")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -119,10 +119,10 @@ async def _announce_when_ready(ctx: ServerContext, on_fatal: Callable[[], None] 
     core = ctx.engine.core
     assert model is not None and core is not None
     log.info("met: ready in %.1fs — model %s (%s), dtype %s, quantization %s, max_model_len "
-             "%d, KV cache %d tokens (%d blocks of %d)", ctx.engine.load_seconds or 0.0,
+             "%d, KV cache %d tokens (%d blocks of %d, %s)", ctx.engine.load_seconds or 0.0,
              ctx.config.model_name, model.root, model.dtype, model.quantization,
              model.limits.max_model_len, core.capacity_tokens,
-             model.limits.num_kv_blocks, model.limits.block_size)
+             model.limits.num_kv_blocks, model.limits.block_size, model.kv_cache_dtype)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

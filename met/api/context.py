@@ -107,6 +107,8 @@ class ModelInfo:
     dtype: str
     # "int8", "int4", "w8a8", "w4a8" or "none" (what --quantization auto chose, if auto)
     quantization: str
+    # The KV cache's element type: "int8" or the model's dtype (--kv-cache-dtype resolved)
+    kv_cache_dtype: str = ""
 
 
 class ServerContext:
@@ -139,6 +141,8 @@ class ServerContext:
             root=str(loaded.source.path),
             dtype=str(core.dtype).removeprefix("torch."),
             quantization=core.quantization or "none",
+            kv_cache_dtype=("int8" if core.kv_cache_dtype == "int8"
+                            else str(core.dtype).removeprefix("torch.")),
         )
 
     def require_model(self) -> ModelInfo:

@@ -98,6 +98,13 @@ def test_embedded_smollm2_auto_path_and_its_distance_from_float32(float32_llm, f
     assert (auto.engine.dtype, auto.engine.quantization) == want
     default = LLM(None, max_model_len=256)
     assert default.engine.quantization == w4a8_here
+    # The KV cache under auto: int8 rows where auto chose float32 + w4a8 (a float32 cache
+    # is 4x the bytes), else the model's dtype; --kv-cache-dtype model keeps the dtype.
+    float32_w4a8 = want == (torch.float32, "w4a8")
+    assert auto.engine.kv_cache_dtype == ("int8" if float32_w4a8 else "auto")
+    assert (auto.engine.runner.kv_caches[0].k.dtype == torch.int8) == float32_w4a8
+    kept = LLM(None, max_model_len=256, max_num_seqs=1, kv_cache_dtype="model")
+    assert kept.engine.runner.kv_caches[0].k.dtype == auto.engine.dtype
     gaps = _gaps_from_float32(auto, float32_greedy)
     assert sum(gaps) / len(gaps) < 0.25, gaps
     generated = _generated_gaps(auto, float32_llm)

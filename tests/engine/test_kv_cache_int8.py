@@ -78,5 +78,5 @@ def test_int8_cache_is_batch_and_chunk_invariant(tiny_checkpoint):
 
 
 def test_unknown_kv_cache_dtype_is_rejected_by_name():
-    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, model, int8"):
         EngineConfig(kv_cache_dtype="fp8")

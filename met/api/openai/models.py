@@ -19,6 +19,7 @@ def _card(ctx: ServerContext, name: str) -> dict:
         # What the engine runs with (--dtype / --quantization auto resolved for this machine).
         "dtype": model.dtype if model else None,
         "quantization": model.quantization if model else None,
+        "kv_cache_dtype": model.kv_cache_dtype if model else None,
     }
 
 
