@@ -49,10 +49,8 @@ def main() -> None:
     layers = [Int4Dynamic(torch.randn(n, k) * 0.05, None)
               for _ in range(args.layers) for n, k in SHAPES]
     head = Int8Blocks(torch.randn(VOCAB, HIDDEN) * 0.05, None)
-    weight_bytes = sum(t.numel() * t.element_size() for t in layers[0]._bound()[1]) \
-        + sum(t.numel() * t.element_size() for t in layers[1]._bound()[1]) \
-        + sum(t.numel() * t.element_size() for t in layers[2]._bound()[1]) \
-        + sum(t.numel() * t.element_size() for t in layers[3]._bound()[1])
+    weight_bytes = sum(t.numel() * t.element_size()  # one layer's four projections
+                       for layer in layers[:len(SHAPES)] for t in layer._bound()[1])
     calls = []  # each projection's op bound once, as the engine binds it (bf16_rows)
     for layer in layers:
         kernel, weights, bias, n = layer._bound()

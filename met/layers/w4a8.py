@@ -186,18 +186,17 @@ class _BlockKernelLinear(IntActivationLinear):
     def bf16_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.native:
             return super().bf16_rows()
-        kernel, weights, bias, n = self._bound()
-        if self._takes_prompt_rows:
-            return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS, 0)
-        return lambda x: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS)
+        return self._rows_call(out_float=False)
 
     def float32_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        if not self.native:
-            return None
+        return self._rows_call(out_float=True) if self.native else None
+
+    def _rows_call(self, out_float: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The kernel call on 2-D contiguous rows with every other argument bound."""
         kernel, weights, bias, n = self._bound()
         if self._takes_prompt_rows:
-            return lambda x: kernel(x, *weights, bias, n, True, AMX_MIN_ROWS, 0)
-        return lambda x: kernel(x, *weights, bias, n, True, AMX_MIN_ROWS)
+            return lambda x: kernel(x, *weights, bias, n, out_float, AMX_MIN_ROWS, 0)
+        return lambda x: kernel(x, *weights, bias, n, out_float, AMX_MIN_ROWS)
 
     def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
         """What a bound kernel call needs: the op, the weight buffers, the bias, N."""

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -98,8 +97,6 @@ MET_INLINE V vexp_nonpositive_t(V x) {
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
 }
-
-MET_INLINE vfloat vexp_nonpositive(vfloat x) { return vexp_nonpositive_t<vfloat, vint>(x); }
 
 template <typename T>
 MET_INLINE float to_float(T x) {
@@ -247,80 +244,50 @@ MET_INLINE void load_q(const Problem& p, int64_t i, int64_t g, float* qf) {
   }
 }
 
+// The lanes' sum: sixteen by hsum's tree, eight in order.
+MET_INLINE float lane_sum(vfloat v) { return hsum(v); }
+MET_INLINE float lane_sum(vfloat8 v) {
+  float sum = 0.f;
+  for (int l = 0; l < 8; ++l) sum += v[l];
+  return sum;
+}
+
 // Numerically stable softmax of each of the G rows of scores s[h * Lp + t], t < L: the row
 // becomes exp(score - max) and inv_sum[h] 1 / its sum. The padding past L gets a score far
 // below any real one, so it never wins the max, and is zeroed after exp, so it adds nothing
-// to the sum.
+// to the sum. V: vfloat, or vfloat8 for the narrow path (the same maths; the lane sums add in
+// another order).
+template <typename V, typename VI>
 MET_INLINE void softmax_rows(float* s, int64_t G, int64_t L, int64_t Lp, float* inv_sum,
                              float* row_max, float* row_sum) {
+  constexpr int64_t kW = sizeof(V) / sizeof(float);
   for (int64_t h = 0; h < G; ++h) {
     float* sh = s + h * Lp;
     for (int64_t t = L; t < Lp; ++t) sh[t] = -3.0e38f;
-    vfloat vmax = vload(sh);
-    for (int64_t t = kLanes; t < Lp; t += kLanes) {
-      const vfloat x = vload(sh + t);
-      vmax = x > vmax ? x : vmax;
-    }
-    float m = vmax[0];
-    for (int l = 1; l < kLanes; ++l) m = std::max(m, vmax[l]);
-    vfloat total = {};
-    for (int64_t t = 0; t < Lp; t += kLanes) {
-      vfloat e = vexp_nonpositive(vload(sh + t) - m);
-      vstore(sh + t, e);
-      if (t + kLanes > L) {
-        for (int64_t u = L; u < t + kLanes; ++u) sh[u] = 0.f;
-        e = vload(sh + t);
-      }
-      total += e;
-    }
-    row_max[h] = m;
-    row_sum[h] = hsum(total);
-    inv_sum[h] = 1.f / row_sum[h];
-  }
-}
-
-// softmax_rows in 8-lane vectors, for the narrow path (GCC lowers the 16-lane selects of
-// softmax_rows lane by lane for AVX2). The same maths; the lane sums add in another order.
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef int32_t vint8 __attribute__((vector_size(32)));
-typedef uint32_t vuint8 __attribute__((vector_size(32)));
-#if defined(__clang__)
-#define MET_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define MET_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, vint8{__VA_ARGS__})
-#endif
-
-MET_INLINE void softmax_rows_narrow(float* s, int64_t G, int64_t L, int64_t Lp, float* inv_sum,
-                                    float* row_max, float* row_sum) {
-  for (int64_t h = 0; h < G; ++h) {
-    float* sh = s + h * Lp;
-    for (int64_t t = L; t < Lp; ++t) sh[t] = -3.0e38f;
-    vfloat8 vmax;
+    V vmax;
     std::memcpy(&vmax, sh, sizeof(vmax));
-    for (int64_t t = 8; t < Lp; t += 8) {
-      vfloat8 x;
+    for (int64_t t = kW; t < Lp; t += kW) {
+      V x;
       std::memcpy(&x, sh + t, sizeof(x));
       vmax = x > vmax ? x : vmax;
     }
     float m = vmax[0];
-    for (int l = 1; l < 8; ++l) m = std::max(m, vmax[l]);
-    vfloat8 total = {};
-    for (int64_t t = 0; t < Lp; t += 8) {
-      vfloat8 x;
-      std::memcpy(&x, sh + t, sizeof(x));
-      vfloat8 e = vexp_nonpositive_t<vfloat8, vint8>(x - m);
+    for (int l = 1; l < kW; ++l) m = std::max(m, vmax[l]);
+    V total = {};
+    for (int64_t t = 0; t < Lp; t += kW) {
+      V e;
+      std::memcpy(&e, sh + t, sizeof(e));
+      e = vexp_nonpositive_t<V, VI>(e - m);
       std::memcpy(sh + t, &e, sizeof(e));
-      if (t + 8 > L) {
-        for (int64_t u = std::max(L, t); u < t + 8; ++u) sh[u] = 0.f;
+      if (t + kW > L) {
+        for (int64_t u = std::max(L, t); u < t + kW; ++u) sh[u] = 0.f;
         std::memcpy(&e, sh + t, sizeof(e));
       }
       total += e;
     }
-    float sum = 0.f;
-    for (int l = 0; l < 8; ++l) sum += total[l];
     row_max[h] = m;
-    row_sum[h] = sum;
-    inv_sum[h] = 1.f / sum;
+    row_sum[h] = lane_sum(total);
+    inv_sum[h] = 1.f / row_sum[h];
   }
 }
 
@@ -390,7 +357,7 @@ MET_INLINE void merge_one(const Problem& p, int64_t i, int64_t g, float* acc) {
     std::fill(ah, ah + Dp, 0.f);
     for (int64_t c = 0; c < nc; ++c) {
       const float* rec = first + c * chunk_stride + h * (Dp + 2);
-      const vfloat e = vexp_nonpositive(MET_SPLAT(rec[Dp] - m));
+      const vfloat e = vexp_nonpositive_t<vfloat, vint>(MET_SPLAT(rec[Dp] - m));
       total += e[0] * rec[Dp + 1];
       for (int64_t d = 0; d < Dp; d += kLanes) vstore(ah + d, vload(ah + d) + e * vload(rec + d));
     }
@@ -444,7 +411,7 @@ MET_INLINE void attend_one(const Problem& p, const Span& t, const Span* next, fl
   }
 
   float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
-  softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
+  softmax_rows<vfloat, vint>(s, G, L, Lp, inv_sum, row_max, row_sum);
 
   // Probability-weighted sum of the value rows. Even and odd positions of a tile go to
   // separate accumulators (added at the end of the tile): with four vectors of the output row
@@ -519,28 +486,50 @@ constexpr int kKeyBlock = 8;
 constexpr int kFarRows = 32;
 constexpr int kHeadBlock = 3;
 
-// Vector c (16 floats) of a contiguous row: float32 as is; bf16 in pair order (even vector
-// 2b holds the even elements of the row's 32-element block b, odd vector 2b + 1 the odd ones).
-template <typename T, int kOdd>
-MET_INLINE vfloat row_vector(const T* row, int64_t c) {
+// Lanes `first`.. of vector c (16 floats) of a contiguous row, as a V (vfloat: all sixteen,
+// first = 0; vfloat8: eight of them): float32 as is; bf16 in pair order (even vector 2b holds
+// the even elements of the row's 32-element block b, odd vector 2b + 1 the odd ones); int8 in
+// quad order (the 64 values of block c / 4 as sixteen words, byte c % 4 of each moved to the
+// top and shifted back down with its sign: GCC 12 widens a vector of int8 lane by lane, so
+// the sign extension is spelled as shifts). Lane l of vector c is 32-bit word `first` + l of
+// the span the vector is read from.
+template <typename T, int kOdd, typename V, typename VI, typename VU>
+MET_INLINE V row_lanes(const T* row, int64_t c, int64_t first) {
   if constexpr (std::is_same_v<T, float>) {
-    return vload(row + c * kLanes);
+    V f;
+    std::memcpy(&f, row + c * kLanes + first, sizeof(f));
+    return f;
   } else if constexpr (std::is_same_v<T, int8_t>) {
-    // Quad order: the 64 values of block c / 4 as sixteen words, byte c % 4 of each moved to
-    // the top and shifted back down with its sign (GCC 12 widens a vector of int8 lane by
-    // lane, so the sign extension is spelled as shifts).
-    vint w;
-    std::memcpy(&w, row + (c / 4) * 64, sizeof(w));
-    const vint x = (w << (24 - 8 * static_cast<int>(c % 4))) >> 24;
-    return __builtin_convertvector(x, vfloat);
+    VI w;
+    std::memcpy(&w, row + (c / 4) * 64 + 4 * first, sizeof(w));
+    const VI x = (w << (24 - 8 * static_cast<int>(c % 4))) >> 24;
+    return __builtin_convertvector(x, V);
   } else {
-    vuint w;
-    std::memcpy(&w, row + (c - kOdd) * kLanes, sizeof(w));
-    const vuint x = kOdd ? (w & 0xFFFF0000u) : (w << 16);
-    vfloat f;
+    VU w;
+    std::memcpy(&w, row + (c - kOdd) * kLanes + 2 * first, sizeof(w));
+    const VU x = kOdd ? (w & 0xFFFF0000u) : (w << 16);
+    V f;
     std::memcpy(&f, &x, sizeof(f));
     return f;
   }
+}
+
+template <typename T, int kOdd>
+MET_INLINE vfloat row_vector(const T* row, int64_t c) {
+  return row_lanes<T, kOdd, vfloat, vint, vuint>(row, c, 0);
+}
+
+// The block's row pointers for slots[0..n) (keys past n repeat the last row), and each key's
+// score scale: scale, times the row's own scale for int8 rows.
+template <typename T, typename V>
+MET_INLINE V key_block(const T* kg, int64_t s1, const float* row_scale, const int64_t* slots,
+                       int64_t n, float scale, const T** rows) {
+  for (int j = 0; j < kKeyBlock; ++j) rows[j] = kg + slots[j < n ? j : n - 1] * s1;
+  V key_scale = scale - V{};
+  if constexpr (std::is_same_v<T, int8_t>) {
+    for (int j = 0; j < kKeyBlock; ++j) key_scale[j] = scale * row_scale[slots[j < n ? j : n - 1]];
+  }
+  return key_scale;
 }
 
 // Lanes j = 0..7 of the result are the sums of the lanes of a[j] (lanes 8..15 repeat them), by
@@ -588,13 +577,7 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
                             const int64_t* slots, int64_t n, const float* qf, int64_t Dp,
                             float scale, float* s, int64_t Lp) {
   const T* rows[kKeyBlock];
-  for (int j = 0; j < kKeyBlock; ++j) rows[j] = kg + slots[j < n ? j : n - 1] * s1;
-  vfloat key_scale = MET_SPLAT(scale);
-  if constexpr (std::is_same_v<T, int8_t>) {
-    for (int j = 0; j < kKeyBlock; ++j) {
-      key_scale[j] = scale * row_scale[slots[j < n ? j : n - 1]];
-    }
-  }
+  const vfloat key_scale = key_block<T, vfloat>(kg, s1, row_scale, slots, n, scale, rows);
   vfloat dots[GB][kKeyBlock] = {};
   // The even and odd vectors of a bf16 block come from one load each; float32 rows are read
   // in order. Either way every key sees the same sequence of products.
@@ -614,29 +597,13 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
 // ymm registers, and the compiled loop spent most of its time spilling them (measured on an
 // AMD Zen 3: ~4 GFLOP/s). The narrow scores keep eight 8-lane sums (one head, eight keys) in
 // registers; the value pass keeps two heads x four 8-lane sums. A CPU runs one variant only
-// (chosen once, see kWideBlocks), so its results stay reproducible and batch-invariant; the
+// (chosen once, see kWideVectors), so its results stay reproducible and batch-invariant; the
 // two variants add in different orders.
 
 // Half `half` (lanes 8 * half ..) of row_vector<T, kOdd>(row, c), read on its own.
 template <typename T, int kOdd>
 MET_INLINE vfloat8 row_half(const T* row, int64_t c, int half) {
-  if constexpr (std::is_same_v<T, float>) {
-    vfloat8 f;
-    std::memcpy(&f, row + c * kLanes + half * 8, sizeof(f));
-    return f;
-  } else if constexpr (std::is_same_v<T, int8_t>) {
-    vint8 w;
-    std::memcpy(&w, row + (c / 4) * 64 + half * 32, sizeof(w));
-    const vint8 x = (w << (24 - 8 * static_cast<int>(c % 4))) >> 24;
-    return __builtin_convertvector(x, vfloat8);
-  } else {
-    vuint8 w;
-    std::memcpy(&w, row + (c - kOdd) * kLanes + half * 16, sizeof(w));
-    const vuint8 x = kOdd ? (w & 0xFFFF0000u) : (w << 16);
-    vfloat8 f;
-    std::memcpy(&f, &x, sizeof(f));
-    return f;
-  }
+  return row_lanes<T, kOdd, vfloat8, vint8, vuint8>(row, c, 8 * half);
 }
 
 // Lane j of the result is the sum of the lanes of a[j], by the same tree for every j.
@@ -676,13 +643,7 @@ MET_INLINE void score_block_narrow(const T* kg, int64_t s1, const float* row_sca
                                    const int64_t* slots, int64_t n, const float* q, int64_t Dp,
                                    float scale, float* s) {
   const T* rows[kKeyBlock];
-  for (int j = 0; j < kKeyBlock; ++j) rows[j] = kg + slots[j < n ? j : n - 1] * s1;
-  vfloat8 key_scale = scale - vfloat8{};
-  if constexpr (std::is_same_v<T, int8_t>) {
-    for (int j = 0; j < kKeyBlock; ++j) {
-      key_scale[j] = scale * row_scale[slots[j < n ? j : n - 1]];
-    }
-  }
+  const vfloat8 key_scale = key_block<T, vfloat8>(kg, s1, row_scale, slots, n, scale, rows);
   vfloat8 dots[kKeyBlock] = {};
   for (int64_t c = 0; c < Dp; c += 2 * kLanes) {
     dot_step_narrow<T, 0>(rows, q, c / kLanes, dots);
@@ -875,9 +836,9 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
   prefetch_rows(vg, p.v_s1, p.v_s2, slots, std::min<int64_t>(kKeyBlock, L), D);
   float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
   if constexpr (kWide) {
-    softmax_rows(s, G, L, Lp, inv_sum, row_max, row_sum);
+    softmax_rows<vfloat, vint>(s, G, L, Lp, inv_sum, row_max, row_sum);
   } else {
-    softmax_rows_narrow(s, G, L, Lp, inv_sum, row_max, row_sum);
+    softmax_rows<vfloat8, vint8>(s, G, L, Lp, inv_sum, row_max, row_sum);
   }
   if constexpr (kInt8) {
     // Each value row's scale joins its weight: sum_t w_t (s_t q_t) = sum_t (w_t s_t) q_t.
@@ -904,22 +865,9 @@ MET_INLINE void attend_fast(const Problem& p, const Span& t, const Span* next, f
   finish<Q, kOrder>(p, t, acc, inv_sum, row_max, row_sum);
 }
 
-// Whether this CPU takes the AVX-512 blocking of the register-blocked path (the clones'
-// x86-64-v4 test): decided once per process, so every call on a machine adds in one order.
-// MET_NARROW_KERNELS=1 picks the narrow variants on any CPU, so that a machine with AVX-512
-// can test them too (tests/layers/test_narrow_kernels.py).
-bool has_avx512() {
-  const char* narrow = std::getenv("MET_NARROW_KERNELS");
-  if (narrow != nullptr && narrow[0] == '1') return false;
-  __builtin_cpu_init();  // this runs as a static initializer: the CPU data may not be set yet
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-}
-const bool kWideBlocks = has_avx512();
-
 template <typename Q, typename T>
 MET_INLINE void attend_fast_any(const Problem& p, const Span& t, const Span* next, float* ws) {
-  if (kWideBlocks) {
+  if (kWideVectors) {
     attend_fast<Q, T, true>(p, t, next, ws);
   } else {
     attend_fast<Q, T, false>(p, t, next, ws);

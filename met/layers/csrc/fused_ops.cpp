@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -147,25 +146,9 @@ MET_INLINE V vexp_t(V x) {
 
 MET_INLINE vfloat vexp(vfloat x) { return vexp_t<vfloat, vint>(x); }
 
-// ---- Narrow variants, for CPUs without AVX-512 ----------------------------------------------
-// GCC lowers a select (a < b ? a : b) on the sixteen-lane vectors above lane by lane, through
-// the stack, when the clone has only 8-lane registers (AVX2): SiLU's exp and the argmax ran
-// several times slower than their loads. Where a function has selects it also has a variant
-// in 8-lane vectors; the CPU picks one once per process (kWide). Both give the same bits
+// Where a function has selects (exp's clamps, a running max) it also runs in 8-lane vectors
+// on CPUs without AVX-512 (kWideVectors, met_simd.h); both widths give the same bits
 // (element-wise maths; the argmax's first maximum does not depend on the lane count).
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef int32_t vint8 __attribute__((vector_size(32)));
-
-// MET_NARROW_KERNELS=1 picks the narrow variants on any CPU, so that a machine with AVX-512
-// can test them too (tests/layers/test_narrow_kernels.py).
-bool has_avx512() {
-  const char* narrow = std::getenv("MET_NARROW_KERNELS");
-  if (narrow != nullptr && narrow[0] == '1') return false;
-  __builtin_cpu_init();  // this runs as a static initializer: the CPU data may not be set yet
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-}
-const bool kWide = has_avx512();
 
 // ---- RMSNorm ---------------------------------------------------------------------------
 
@@ -275,15 +258,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 // Rows [r0, r1) of gate_up [T, 2I] (gate then up): out = bf16(bf16(silu(gate)) * up), the
 // rounding of F.silu followed by a bfloat16 multiply.
-template <typename T>
-MET_INLINE void silu_mul_rows_impl(const void* gu_, void* out_, int64_t r0, int64_t r1,
-                                   int64_t I) {
-  const T* gu = static_cast<const T*>(gu_);
-  T* out = static_cast<T*>(out_);
+MET_INLINE void silu_mul_rows_bf16_impl(const void* gu_, void* out_, int64_t r0, int64_t r1,
+                                        int64_t I) {
+  const uint16_t* gu = static_cast<const uint16_t*>(gu_);
+  uint16_t* out = static_cast<uint16_t*>(out_);
   for (int64_t r = r0; r < r1; ++r) {
-    const T* g = gu + r * 2 * I;
-    const T* u = g + I;
-    T* o = out + r * I;
+    const uint16_t* g = gu + r * 2 * I;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + r * I;
     int64_t i = 0;
     // Four vectors per iteration: each is a ~100-cycle chain of dependent steps (exp, divide,
     // roundings), so independent ones side by side keep the pipelines busy.
@@ -291,28 +273,28 @@ MET_INLINE void silu_mul_rows_impl(const void* gu_, void* out_, int64_t r0, int6
       vfloat s[4];
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) {
-        const vfloat x = load_v(g + i + v * kLanes);
-        s[v] = rnd<T>(x / (1.0f + vexp(-x)));
+        const vfloat x = load_bf16(g + i + v * kLanes);
+        s[v] = round_bf16(x / (1.0f + vexp(-x)));
       }
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) store_v(o + i + v * kLanes, s[v] * load_v(u + i + v * kLanes));
+      for (int v = 0; v < 4; ++v) {
+        store_bf16(o + i + v * kLanes, s[v] * load_bf16(u + i + v * kLanes));
+      }
     }
     for (; i < I; i += kLanes) {
       const int64_t n = std::min(kLanes, I - i);
-      const vfloat x = load_n(g + i, n);
-      const vfloat s = rnd<T>(x / (1.0f + vexp(-x)));
-      store_n(o + i, s * load_n(u + i, n), n);
+      const vfloat x = load_bf16_n(g + i, n);
+      const vfloat s = round_bf16(x / (1.0f + vexp(-x)));
+      store_bf16_n(o + i, s * load_bf16_n(u + i, n), n);
     }
   }
 }
 
-MET_TYPED_ENTRIES(silu_mul_rows, silu_mul_rows_impl,
-                  (const void* gu, void* out, int64_t r0, int64_t r1, int64_t I),
-                  (gu, out, r0, r1, I))
-
-// silu_mul_rows_f32 in 8-lane vectors (float32 only: no rounding steps).
-MET_CLONES void silu_mul_rows_f32_narrow(const void* gu_, void* out_, int64_t r0, int64_t r1,
-                                         int64_t I) {
+// The same for float32 rows (no rounding steps), in V = vfloat or vfloat8 vectors.
+template <typename V, typename VI>
+MET_INLINE void silu_mul_rows_f32_impl(const void* gu_, void* out_, int64_t r0, int64_t r1,
+                                       int64_t I) {
+  constexpr int64_t kW = sizeof(V) / sizeof(float);
   const float* gu = static_cast<const float*>(gu_);
   float* out = static_cast<float*>(out_);
   for (int64_t r = r0; r < r1; ++r) {
@@ -320,33 +302,47 @@ MET_CLONES void silu_mul_rows_f32_narrow(const void* gu_, void* out_, int64_t r0
     const float* u = g + I;
     float* o = out + r * I;
     int64_t i = 0;
-    for (; i + 32 <= I; i += 32) {
-      vfloat8 s[4];
+    for (; i + 4 * kW <= I; i += 4 * kW) {
+      V s[4];
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) {
-        vfloat8 x;
-        std::memcpy(&x, g + i + v * 8, sizeof(x));
-        s[v] = x / (1.0f + vexp_t<vfloat8, vint8>(-x));
+        V x;
+        std::memcpy(&x, g + i + v * kW, sizeof(x));
+        s[v] = x / (1.0f + vexp_t<V, VI>(-x));
       }
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) {
-        vfloat8 up;
-        std::memcpy(&up, u + i + v * 8, sizeof(up));
-        const vfloat8 y = s[v] * up;
-        std::memcpy(o + i + v * 8, &y, sizeof(y));
+        V up;
+        std::memcpy(&up, u + i + v * kW, sizeof(up));
+        const V y = s[v] * up;
+        std::memcpy(o + i + v * kW, &y, sizeof(y));
       }
     }
-    for (; i < I; i += 8) {
-      const int64_t n = std::min<int64_t>(8, I - i);
-      float xt[8] = {}, ut[8] = {};
+    for (; i < I; i += kW) {  // a partial last chunk is zero-padded
+      const int64_t n = std::min(kW, I - i);
+      float xt[kW] = {}, ut[kW] = {};
       std::memcpy(xt, g + i, n * sizeof(float));
       std::memcpy(ut, u + i, n * sizeof(float));
-      vfloat8 x, up;
+      V x, up;
       std::memcpy(&x, xt, sizeof(x));
       std::memcpy(&up, ut, sizeof(up));
-      const vfloat8 y = x / (1.0f + vexp_t<vfloat8, vint8>(-x)) * up;
+      const V y = x / (1.0f + vexp_t<V, VI>(-x)) * up;
       std::memcpy(o + i, &y, n * sizeof(float));
     }
+  }
+}
+
+MET_CLONES void silu_mul_rows_bf16(const void* gu, void* out, int64_t r0, int64_t r1,
+                                   int64_t I) {
+  silu_mul_rows_bf16_impl(gu, out, r0, r1, I);
+}
+
+MET_CLONES void silu_mul_rows_f32(const void* gu, void* out, int64_t r0, int64_t r1,
+                                  int64_t I) {
+  if (kWideVectors) {
+    silu_mul_rows_f32_impl<vfloat, vint>(gu, out, r0, r1, I);
+  } else {
+    silu_mul_rows_f32_impl<vfloat8, vint8>(gu, out, r0, r1, I);
   }
 }
 
@@ -359,11 +355,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const void* gp = gate_up.data_ptr();
   void* op = out.data_ptr();
   at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
-    if (f32 && !kWide) {
-      silu_mul_rows_f32_narrow(gp, op, b, e, I);
-    } else {
-      MET_CALL_TYPED(f32, silu_mul_rows, gp, op, b, e, I);
-    }
+    MET_CALL_TYPED(f32, silu_mul_rows, gp, op, b, e, I);
   });
   return out;
 }
@@ -571,7 +563,7 @@ MET_INLINE void argmax_rows_t(const float* x, int64_t* out, int64_t r0, int64_t 
 }
 
 MET_CLONES void argmax_rows(const float* x, int64_t* out, int64_t r0, int64_t r1, int64_t V) {
-  if (kWide) {
+  if (kWideVectors) {
     argmax_rows_t<vfloat, vint>(x, out, r0, r1, V);
   } else {
     argmax_rows_t<vfloat8, vint8>(x, out, r0, r1, V);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -38,6 +39,37 @@ typedef uint32_t vuint __attribute__((vector_size(64)));
 #else
 #define MET_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vint{__VA_ARGS__})
 #endif
+
+// Eight float lanes: the native width of AVX2. GCC lowers a select (a < b ? a : b) on the
+// sixteen-lane vectors lane by lane through the stack when the clone has only 8-lane
+// registers, and register-blocked loops sized for 32 zmm registers spill; the kernels' narrow
+// variants use these types instead, picked once per process by kWideVectors.
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef int32_t vint8 __attribute__((vector_size(32)));
+typedef uint32_t vuint8 __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define MET_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define MET_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, vint8{__VA_ARGS__})
+#endif
+
+// Whether this CPU takes the kernels' sixteen-lane variants (the x86-64-v4 test of the
+// clones) rather than their 8-lane ones: decided once per process, so every call on a machine
+// adds in one order. MET_NARROW_KERNELS=1 picks the narrow variants on any CPU, so that a
+// machine with AVX-512 can test them too (tests/layers/test_narrow_kernels.py).
+inline bool wide_vectors() {
+  const char* narrow = std::getenv("MET_NARROW_KERNELS");
+  if (narrow != nullptr && narrow[0] == '1') return false;
+#if defined(__x86_64__)
+  __builtin_cpu_init();  // this runs as a static initializer: the CPU data may not be set yet
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+  return true;
+#endif
+}
+const bool kWideVectors = wide_vectors();
 
 // Broadcast of a scalar. x - 0 is exactly x for every x (even -0), so GCC folds this into one
 // vbroadcastss, but only when written at the use site: behind an inline function GCC 12 builds
