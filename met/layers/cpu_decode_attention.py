@@ -112,11 +112,22 @@ def decode_attention(
     request's last token and sees its whole context. Returns [N, H, D] in q's dtype. A
     request's result depends only on its own inputs (batch-invariant).
     """
-    op = None
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
-        # The kernel reads int8 rows only through its register-blocked path.
-        if not kv.quantized or (q.shape[-1] % 64 == 0 and kv.k.stride(2) == 1):
-            op = _native_kernel()
+    op = _native_kernel() if native_applies(q, kv) else None
     if op is None:
         return decode_attention_reference(q, kv, slots, offsets, scale)
     return op(q, kv.k, kv.v, slots, offsets, float(scale), kv.k_scale, kv.v_scale)
+
+
+def native_applies(q: torch.Tensor, kv: KVCache) -> bool:
+    """Whether queries like ``q`` over ``kv`` take the native kernel (else the reference)."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    # The kernel reads int8 rows only through its register-blocked path.
+    return not kv.quantized or (q.shape[-1] % 64 == 0 and kv.k.stride(2) == 1)
+
+
+def native_op_name() -> str | None:
+    """The native op's qualified name (for a caller in C++, met.layers.layer_stack), or None
+    where it did not build."""
+    op = _native_kernel()
+    return None if op is None else op.name()

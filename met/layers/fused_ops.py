@@ -30,11 +30,11 @@ import torch
 from met.layers.kv_cache import KVCache
 from met.layers.native import load_native_ops, native_op
 
-_NAME = "met_fused_ops_v11"
+NAME = "met_fused_ops_v11"
 
 
 def _ops():
-    return load_native_ops(_NAME, "fused_ops.cpp")
+    return load_native_ops(NAME, "fused_ops.cpp")
 
 
 def available(x: torch.Tensor, allow_float32: bool = False) -> bool:
@@ -47,7 +47,7 @@ def available(x: torch.Tensor, allow_float32: bool = False) -> bool:
 @functools.cache
 def _op(name: str):
     """The op (cached: ~150 calls a decode step)."""
-    return native_op(_NAME, "fused_ops.cpp", name)
+    return native_op(NAME, "fused_ops.cpp", name)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 
 from met.layers import int4_gemv
 from met.layers.int_activations import IntActivationLinear
-from met.layers.w4a8 import Int4Dynamic, Int8Blocks
+from met.layers.w4a8 import Int4Dynamic, Int8Blocks, KernelCall
 from met.layers.w8a8 import Int8Dynamic
 
 # Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
@@ -229,6 +229,11 @@ class Linear(nn.Module):
         if self.onednn_weight is not None:
             return onednn_linear(x, self.onednn_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def kernel_call(self) -> KernelCall | None:
+        """The native 4-bit op this projection runs, with its bound arguments
+        (`Int4Dynamic.kernel_call`), or None for any other kind of weights."""
+        return self.quantized.kernel_call() if isinstance(self.quantized, Int4Dynamic) else None
 
     def pack(self) -> None:
         """Swap the (bfloat16 CPU) weight for oneDNN's pre-laid-out copy (after loading,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from abc import abstractmethod
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,16 @@ def block_quantized_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return y if out_float else y.to(torch.bfloat16)
 
 
+class KernelCall(NamedTuple):
+    """A 4-bit projection as its op runs it: ``op(x, *weights, bias, out_features,
+    out_float, AMX_MIN_ROWS, prompt_rows)``."""
+
+    op: str  # the qualified op name, e.g. "met_w4a8_avx2_v4::linear"
+    weights: tuple[torch.Tensor, ...]  # packed, d, m
+    bias: torch.Tensor | None
+    out_features: int
+
+
 class _BlockKernelLinear(IntActivationLinear):
     """Shared by the two weight forms of csrc/w4a8.cpp: the kernel's buffers (``packed`` and
     the per-block scales, `_kernel_buffers`) where it runs, else the float32 weights the
@@ -197,6 +208,14 @@ class _BlockKernelLinear(IntActivationLinear):
         if self._takes_prompt_rows:
             return lambda x: kernel(x, *weights, bias, n, out_float, AMX_MIN_ROWS, 0)
         return lambda x: kernel(x, *weights, bias, n, out_float, AMX_MIN_ROWS)
+
+    def kernel_call(self) -> KernelCall | None:
+        """The 4-bit op and its bound arguments, for a caller that runs this projection from
+        C++ (met.layers.layer_stack); None off the native kernel or for 8-bit weights."""
+        if not (self.native and self._takes_prompt_rows):
+            return None
+        kernel, weights, bias, n = self._bound()
+        return KernelCall(kernel.name(), weights, bias, n)
 
     def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
         """What a bound kernel call needs: the op, the weight buffers, the bias, N."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from met.layers import fused_ops
+from met.layers import fused_ops, layer_stack
 from met.layers.activations import get_activation
 from met.layers.attention import KVCache, attend_cached, paged_attention
 from met.layers.batch import ForwardBatch
@@ -249,6 +249,10 @@ class LlamaForCausalLM(CausalLM):
                        ) -> torch.Tensor:
         """The bfloat16 (or quantized float32) CPU path: `DecoderLayer.forward` with rope +
         cache writes, SiLU · up and each residual add + RMSNorm as fused ops."""
+        stack = self._layer_stack
+        normed = None if stack is None else stack.run(x, batch, kv_caches)
+        if normed is not None:
+            return normed
         first = self.model.layers[0].input_layernorm
         normed = fused_ops.rms_norm(x, first.weight, first.eps)
         positions, slots, t = batch.positions, batch.slot_mapping, x.shape[0]
@@ -274,6 +278,17 @@ class LlamaForCausalLM(CausalLM):
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [norm]
         return [layer.fused_plan(nxt) for layer, nxt in zip(layers, next_norms, strict=True)]
 
+    @functools.cached_property
+    def _layer_stack(self) -> layer_stack.LayerStack | None:
+        """The fused layers as one native call (met.layers.layer_stack), where it applies."""
+        if not self._fused_layers:
+            return None
+        layers = self.model.layers
+        projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in layers]
+        first = layers[0].input_layernorm
+        return layer_stack.build(self._fused_layers, projections, first.weight, first.eps)
+
     @property
     def prompt_rows_first(self) -> bool:
         layers = self._fused_layers
@@ -282,6 +297,7 @@ class LlamaForCausalLM(CausalLM):
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors bound above
         self.__dict__.pop("_fused_layers", None)
+        self.__dict__.pop("_layer_stack", None)
         return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""A step's decoder layers in one native call (csrc/layer_stack.cpp).
+
+The fused CPU path of a Llama-family model (`LlamaForCausalLM._forward_fused`) runs nine
+native ops per layer: the four w4a8 projections, rope + cache writes, decode attention, two
+residual-add RMSNorms and SiLU · up. Called from Python each costs ~3 µs of argument
+conversion and dispatch on top of its work, and the loop's own Python more: ~1 ms of a ~9 ms
+one-stream decode step of the embedded model on a 2-core CPU. `LayerStack.run` makes the same
+calls, in the same order with the same arguments, from C++: the hidden states are bitwise
+those of the Python loop.
+
+It applies where every projection is a native 4-bit w4a8 kernel, every layer has the same
+attention window and head counts, and the step attends every row through the decode kernel in
+one call: a pure decode step, or any step of a w4a8 model (its prompt rows attend row by row,
+`ForwardBatch.row_attention`) unless prompt rows take their own kernels (``prompt_rows``, on
+AMX CPUs). Elsewhere `run` returns None and the caller runs the Python loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from met.layers import fused_ops
+from met.layers.batch import ForwardBatch
+from met.layers.cpu_decode_attention import native_applies, native_op_name
+from met.layers.kv_cache import KVCache
+from met.layers.linear import Linear
+from met.layers.native import native_op
+from met.layers.w4a8 import AMX_MIN_ROWS
+
+_NAME = "met_layer_stack_v1"
+
+
+@functools.cache
+def _op():
+    return native_op(_NAME, "layer_stack.cpp", "decode_layers")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStack:
+    """The tensors and sizes of every layer, bound once (`build`)."""
+
+    norms: list[torch.Tensor]  # the first input norm, then each layer's post and next norm
+    norm_eps: list[float]
+    linear_op: str  # the projections' qualified op name
+    weights: list[torch.Tensor]  # packed, d, m of each layer's qkv, o, gate_up, down
+    biases: list[torch.Tensor | None]
+    out_features: list[int]
+    cos: torch.Tensor  # the rotary tables, float32
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    window: int | None
+    attention_op: str
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: Sequence[KVCache]
+            ) -> torch.Tensor | None:
+        """The last layer's output through the final norm, as the Python loop computes it
+        from the embedded tokens ``x``; None when this step cannot run here."""
+        if batch.prompt_rows or not native_applies(x, kv_caches[0]):
+            return None
+        plan = batch.window_plan(self.window)
+        if plan.per_seq:
+            return None
+        return _op()(
+            x, self.norms, self.norm_eps, self.linear_op, self.weights, self.biases,
+            self.out_features, AMX_MIN_ROWS, batch.positions, self.cos, self.sin,
+            self.num_heads, self.num_kv_heads, [kv.k for kv in kv_caches],
+            [kv.v for kv in kv_caches], [kv.k_scale for kv in kv_caches],
+            [kv.v_scale for kv in kv_caches], batch.slot_mapping, self.attention_op,
+            plan.decode_slots, plan.decode_offsets, self.scale, fused_ops.NAME)
+
+
+def build(layers: Sequence, projections: Sequence[Sequence[Linear]], first_norm: torch.Tensor,
+          first_eps: float) -> LayerStack | None:
+    """The stack of a model's fused layers (`met.models.llama.FusedLayer`: norms, rotary
+    tables, head counts, window) and their projections (qkv, o, gate_up, down per layer), or
+    None where it does not apply (see the module docstring) or a kernel did not build."""
+    calls = [proj.kernel_call() for per_layer in projections for proj in per_layer]
+    attention_op = native_op_name()
+    if (not layers or any(call is None for call in calls) or attention_op is None
+            or _op() is None or len({call.op for call in calls}) != 1):
+        return None
+    first = layers[0]
+    shared = {(layer.cos.data_ptr(), layer.sin.data_ptr(), layer.num_heads,
+               layer.num_kv_heads, layer.scale, layer.window) for layer in layers}
+    if len(shared) != 1:
+        return None
+    norms, eps = [first_norm], [first_eps]
+    for layer in layers:
+        norms += [layer.post_norm, layer.next_norm]
+        eps += [layer.post_eps, layer.next_eps]
+    return LayerStack(
+        norms=norms, norm_eps=eps, linear_op=calls[0].op,
+        weights=[w for call in calls for w in call.weights],
+        biases=[call.bias for call in calls], out_features=[call.out_features for call in calls],
+        cos=first.cos, sin=first.sin, num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads, scale=first.scale, window=first.window,
+        attention_op=attention_op)

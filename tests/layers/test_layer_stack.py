@@ -1,0 +1,77 @@
+"""The decoder layers in one native call (met.layers.layer_stack): the same tokens and the
+same logprobs, bit for bit, as the Python loop of fused ops it replaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from met import LLM, SamplingParams
+from met.layers import layer_stack
+
+PROMPTS = [[(7 * i + 13 * j + 5) % 200 + 20 for j in range(n)]
+           for i, n in enumerate([3, 17, 40, 70])]
+
+
+def _generate(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                        strict=True)] for o in outs]
+    return tokens, logprobs
+
+
+def _count_stack_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = layer_stack._op()
+    assert real is not None, "the layer-stack kernel should build on this machine"
+    monkeypatch.setattr(layer_stack, "_op",
+                        lambda: lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize("arch,head_dim,kv_cache_dtype", [
+    ("llama", 16, "model"),
+    ("mistral", 16, "model"),  # every layer's sliding window
+    ("qwen2", 16, "model"),  # q/k/v biases
+    ("llama", 64, "int8"),  # an int8 cache
+])
+def test_stack_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
+        tiny_checkpoint, monkeypatch, arch, head_dim, kv_cache_dtype):
+    llm = LLM(str(tiny_checkpoint(arch, head_dim=head_dim)), dtype="float32",
+              quantization="w4a8", kv_cache_dtype=kv_cache_dtype, max_model_len=256)
+    calls = _count_stack_calls(monkeypatch)
+    stack_tokens, stack_logprobs = _generate(llm)
+    # Prefill (each prompt row attends alone under w4a8) and decode steps both ran here.
+    assert len(calls) >= 12
+    monkeypatch.setattr(layer_stack.LayerStack, "run", lambda self, *args: None)
+    llm.reset_prefix_cache()
+    loop_tokens, loop_logprobs = _generate(llm)
+    assert stack_tokens == loop_tokens
+    assert stack_logprobs == loop_logprobs
+
+
+def test_models_without_4bit_projections_keep_the_python_loop(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization=None,
+              max_model_len=128)
+    model = llm.engine.runner.model
+    assert model._fused_layers, "the bfloat16 model takes the fused loop"
+    assert model._layer_stack is None
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
+                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_build_refuses_layers_that_differ(tiny_checkpoint):
+    """One call serves every layer with one window plan and one set of head counts."""
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", quantization="w4a8",
+              max_model_len=128)
+    model = llm.engine.runner.model
+    layers = list(model._fused_layers)
+    projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj) for layer in model.model.layers]
+    first = model.model.layers[0].input_layernorm
+    assert layer_stack.build(layers, projections, first.weight, first.eps) is not None
+    windowed = layers[:-1] + [type(layers[-1])(**{
+        **{f: getattr(layers[-1], f) for f in layers[-1].__slots__}, "window": 8})]
+    assert layer_stack.build(windowed, projections, first.weight, first.eps) is None
