@@ -112,18 +112,20 @@ def decode_attention(
     request's last token and sees its whole context. Returns [N, H, D] in q's dtype. A
     request's result depends only on its own inputs (batch-invariant).
     """
-    op = _native_kernel() if native_applies(q, kv) else None
+    native = q.device.type == "cpu" and native_applies(kv, q.dtype, q.shape[-1])
+    op = _native_kernel() if native else None
     if op is None:
         return decode_attention_reference(q, kv, slots, offsets, scale)
     return op(q, kv.k, kv.v, slots, offsets, float(scale), kv.k_scale, kv.v_scale)
 
 
-def native_applies(q: torch.Tensor, kv: KVCache) -> bool:
-    """Whether queries like ``q`` over ``kv`` take the native kernel (else the reference)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+def native_applies(kv: KVCache, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether queries of ``dtype`` and ``head_dim`` over ``kv`` take the native kernel
+    (else the reference)."""
+    if kv.k.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     # The kernel reads int8 rows only through its register-blocked path.
-    return not kv.quantized or (q.shape[-1] % 64 == 0 and kv.k.stride(2) == 1)
+    return not kv.quantized or (head_dim % 64 == 0 and kv.k.stride(2) == 1)
 
 
 def native_op_name() -> str | None:
