@@ -176,6 +176,12 @@ MET_AVX2_TARGET inline void prefetch_block(const uint8_t* w, const uint16_t* d,
   }
 }
 
+// An empty asm that needs ``v`` in a register here. The block sums are chains of integer
+// adds, which GCC may reorder: it built them as trees over all of a block's products,
+// computed first and spilled through the stack (~48 vector moves per tile, in the inner
+// loop); pinned each step, the chains stay in registers. Same sums (integer adds), same bits.
+MET_AVX2_TARGET inline void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 // Rows m0..m0+R of halves c0..c0+C of group g (half c: channels 8 c.. of the group, block
 // j = c / 2, its lanes 8 (c % 2)..).
 template <int R, int C, bool kQ8>
@@ -214,6 +220,7 @@ MET_AVX2_TARGET void tile(const Problem& p, int64_t g, int64_t m0, int c0) {
           for (int c = 0; c < C; ++c) {
             const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wq[c], x));
             isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(pairs, ones));
+            keep_in_register(isum[r][c]);
           }
         }
       }
@@ -237,6 +244,7 @@ MET_AVX2_TARGET void tile(const Problem& p, int64_t g, int64_t m0, int c0) {
           for (int c = 0; c < C; ++c) {
             s16[r][c] = _mm256_add_epi16(s16[r][c], _mm256_maddubs_epi16(lo[c], x0));
             s16[r][c] = _mm256_add_epi16(s16[r][c], _mm256_maddubs_epi16(hi[c], x1));
+            keep_in_register(s16[r][c]);
           }
         }
       }
