@@ -61,8 +61,8 @@ class LayerStack:
             ) -> torch.Tensor | None:
         """The last layer's output through the final norm, as the Python loop computes it
         from the embedded tokens ``x``; None when this step cannot run here."""
-        kv = kv_caches[0]  # every layer's cache has the same dtype and layout
-        if batch.prompt_rows or not native_applies(kv, x.dtype, kv.k.shape[-1]):
+        cache = kv_caches[0]  # every layer's cache has the same dtype and layout
+        if batch.prompt_rows or not native_applies(cache, x.dtype, cache.k.shape[-1]):
             return None
         plan = batch.window_plan(self.window)
         if plan.per_seq:

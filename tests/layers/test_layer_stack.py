@@ -3,6 +3,8 @@ same logprobs, bit for bit, as the Python loop of fused ops it replaces."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from met import LLM, SamplingParams
@@ -74,6 +76,5 @@ def test_build_refuses_layers_that_differ(tiny_checkpoint):
                     layer.mlp.down_proj) for layer in model.model.layers]
     first = model.model.layers[0].input_layernorm
     assert layer_stack.build(layers, projections, first.weight, first.eps) is not None
-    windowed = layers[:-1] + [type(layers[-1])(**{
-        **{f: getattr(layers[-1], f) for f in layers[-1].__slots__}, "window": 8})]
+    windowed = layers[:-1] + [dataclasses.replace(layers[-1], window=8)]
     assert layer_stack.build(windowed, projections, first.weight, first.eps) is None
