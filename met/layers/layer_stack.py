@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,12 +50,9 @@ class LayerStack:
     weights: list[torch.Tensor]  # packed, d, m of each layer's qkv, o, gate_up, down
     biases: list[torch.Tensor | None]
     out_features: list[int]
-    cos: torch.Tensor  # the rotary tables, float32
-    sin: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    scale: float
-    window: int | None
+    # The first layer (`met.models.llama.FusedLayer`): its rotary tables, head counts,
+    # attention scale and window are every layer's (`build` checks).
+    shared: Any
     attention_op: str
 
     def run(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: Sequence[KVCache]
@@ -64,16 +62,17 @@ class LayerStack:
         cache = kv_caches[0]  # every layer's cache has the same dtype and layout
         if batch.prompt_rows or not native_applies(cache, x.dtype, cache.k.shape[-1]):
             return None
-        plan = batch.window_plan(self.window)
+        shared = self.shared
+        plan = batch.window_plan(shared.window)
         if plan.per_seq:
             return None
         return _op()(
             x, self.norms, self.norm_eps, self.linear_op, self.weights, self.biases,
-            self.out_features, AMX_MIN_ROWS, batch.positions, self.cos, self.sin,
-            self.num_heads, self.num_kv_heads, [kv.k for kv in kv_caches],
+            self.out_features, AMX_MIN_ROWS, batch.positions, shared.cos, shared.sin,
+            shared.num_heads, shared.num_kv_heads, [kv.k for kv in kv_caches],
             [kv.v for kv in kv_caches], [kv.k_scale for kv in kv_caches],
             [kv.v_scale for kv in kv_caches], batch.slot_mapping, self.attention_op,
-            plan.decode_slots, plan.decode_offsets, self.scale, fused_ops.NAME)
+            plan.decode_slots, plan.decode_offsets, shared.scale, fused_ops.NAME)
 
 
 def build(layers: Sequence, projections: Sequence[Sequence[Linear]], first_norm: torch.Tensor,
@@ -86,7 +85,6 @@ def build(layers: Sequence, projections: Sequence[Sequence[Linear]], first_norm:
     if (not layers or any(call is None for call in calls) or attention_op is None
             or _op() is None or len({call.op for call in calls}) != 1):
         return None
-    first = layers[0]
     shared = {(layer.cos.data_ptr(), layer.sin.data_ptr(), layer.num_heads,
                layer.num_kv_heads, layer.scale, layer.window) for layer in layers}
     if len(shared) != 1:
@@ -99,6 +97,4 @@ def build(layers: Sequence, projections: Sequence[Sequence[Linear]], first_norm:
         norms=norms, norm_eps=eps, linear_op=calls[0].op,
         weights=[w for call in calls for w in call.weights],
         biases=[call.bias for call in calls], out_features=[call.out_features for call in calls],
-        cos=first.cos, sin=first.sin, num_heads=first.num_heads,
-        num_kv_heads=first.num_kv_heads, scale=first.scale, window=first.window,
-        attention_op=attention_op)
+        shared=layers[0], attention_op=attention_op)

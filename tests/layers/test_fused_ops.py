@@ -156,8 +156,11 @@ PROMPTS = [[(7 * i + 13 * j + 5) % 200 + 20 for j in range(n)]
            for i, n in enumerate([3, 17, 40, 70])]
 
 
-def _logprobs_and_tokens(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+def _logprobs_and_tokens(llm: LLM, max_tokens: int = 10
+                         ) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens on PROMPTS and their logprobs (tests/layers/test_layer_stack.py too)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,

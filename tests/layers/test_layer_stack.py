@@ -6,21 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_fused_ops import PROMPTS, _logprobs_and_tokens
 
 from met import LLM, SamplingParams
 from met.layers import layer_stack
-
-PROMPTS = [[(7 * i + 13 * j + 5) % 200 + 20 for j in range(n)]
-           for i, n in enumerate([3, 17, 40, 70])]
-
-
-def _generate(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
-                                        strict=True)] for o in outs]
-    return tokens, logprobs
 
 
 def _count_stack_calls(monkeypatch) -> list[int]:
@@ -45,12 +34,12 @@ def test_stack_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
     llm = LLM(str(tiny_checkpoint(arch, head_dim=head_dim)), dtype="float32",
               quantization="w4a8", kv_cache_dtype=kv_cache_dtype, max_model_len=256)
     calls = _count_stack_calls(monkeypatch)
-    stack_tokens, stack_logprobs = _generate(llm)
+    stack_tokens, stack_logprobs = _logprobs_and_tokens(llm, max_tokens=12)
     # Prefill (each prompt row attends alone under w4a8) and decode steps both ran here.
     assert len(calls) >= 12 if stacked else not calls
     monkeypatch.setattr(layer_stack.LayerStack, "run", lambda self, *args: None)
     llm.reset_prefix_cache()
-    loop_tokens, loop_logprobs = _generate(llm)
+    loop_tokens, loop_logprobs = _logprobs_and_tokens(llm, max_tokens=12)
     assert stack_tokens == loop_tokens
     assert stack_logprobs == loop_logprobs
 
