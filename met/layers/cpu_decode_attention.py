@@ -54,7 +54,7 @@ from met.layers.native import native_op
 # The build's name and the op namespace the library registers (torch.ops.<name>). torch
 # rebuilds by itself when the source changes; bump the suffix if two versions of this source
 # could ever be loaded into one process, since a namespace can be registered only once.
-_EXT_NAME = "met_cpu_decode_attn_v11"
+_EXT_NAME = "met_cpu_decode_attn_v12"
 
 
 @functools.cache

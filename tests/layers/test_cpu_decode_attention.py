@@ -214,14 +214,16 @@ def test_int8_cache_of_other_head_dims_goes_to_the_reference():
     assert torch.equal(out, decode_attention_reference(q, cache, slots, offsets, 0.25))
 
 
-def test_thread_count_does_not_change_results():
+@pytest.mark.parametrize("int8", [False, True])
+def test_thread_count_does_not_change_results(int8):
     q, k, v, slots, offsets = _problem(17, 9, 3, 64, torch.bfloat16, seed=3)
+    cache = quantize_kv(k, v) if int8 else KVCache(k, v)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = decode_attention(q, KVCache(k, v), slots, offsets, 0.125)
+        one = decode_attention(q, cache, slots, offsets, 0.125)
         torch.set_num_threads(max(2, before))
-        many = decode_attention(q, KVCache(k, v), slots, offsets, 0.125)
+        many = decode_attention(q, cache, slots, offsets, 0.125)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
