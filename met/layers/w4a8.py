@@ -37,7 +37,7 @@ from met.layers.native import load_native_ops, native_op
 # (ISA, op namespace, csrc file): the AVX512-VNNI kernel (with AMX tiles where present) and,
 # for CPUs with AVX2 only, the same ops, layout and bits from VPMADDUBSW (`_kernel` picks).
 _KERNELS = (("avx512-vnni", "met_w4a8_v13", "w4a8.cpp"),
-            ("avx2", "met_w4a8_avx2_v6", "w4a8_avx2.cpp"))
+            ("avx2", "met_w4a8_avx2_v7", "w4a8_avx2.cpp"))
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
 # From this many rows on, AMX-INT8 tiles (where the CPU has them) compute the block sums:
@@ -143,7 +143,7 @@ class KernelCall(NamedTuple):
     """A 4-bit projection as its op runs it: ``op(x, *weights, bias, out_features,
     out_float, AMX_MIN_ROWS, prompt_rows)``."""
 
-    op: str  # the qualified op name, e.g. "met_w4a8_avx2_v6::linear"
+    op: str  # the qualified op name, e.g. "met_w4a8_avx2_v7::linear"
     weights: tuple[torch.Tensor, ...]  # packed, d, m
     bias: torch.Tensor | None
     out_features: int
