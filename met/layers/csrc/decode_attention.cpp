@@ -1021,6 +1021,19 @@ MET_AVX2_TARGET MET_INLINE void values_avx2(const Problem& p, const int8_t* vg,
   }
 }
 
+// f(std::integral_constant<int, GB>, h0) for the G heads in blocks of up to three (h0: the
+// block's first head); only the first block reads ahead.
+template <typename F>
+MET_INLINE void for_head_blocks(int64_t G, F&& f) {
+  for (int64_t h0 = 0; h0 < G; h0 += 3) {
+    switch (std::min<int64_t>(3, G - h0)) {
+      case 3: f(std::integral_constant<int, 3>{}, h0); break;
+      case 2: f(std::integral_constant<int, 2>{}, h0); break;
+      default: f(std::integral_constant<int, 1>{}, h0); break;
+    }
+  }
+}
+
 // attend_fast for an int8 cache, on AVX2: the same maths, rows in natural order.
 // cold: the first task of a thread's range (no earlier task read ahead into its rows).
 template <typename Q>
@@ -1048,14 +1061,10 @@ MET_AVX2_TARGET __attribute__((noinline)) void attend_int8_avx2(const Problem& p
   if (cold) {
     for (int64_t n = 0; n < std::min(kReadAhead, L); ++n) ra.fetch(n);
   }
-  for (int64_t h0 = 0; h0 < G; h0 += 3) {
-    const ReadAhead* fetch = h0 == 0 ? &ra : nullptr;
-    switch (std::min<int64_t>(3, G - h0)) {
-      case 3: scores_avx2<3>(p, kg, k_scale, slots, L, fetch, qf + h0 * D, s + h0 * Lp, Lp); break;
-      case 2: scores_avx2<2>(p, kg, k_scale, slots, L, fetch, qf + h0 * D, s + h0 * Lp, Lp); break;
-      default: scores_avx2<1>(p, kg, k_scale, slots, L, fetch, qf + h0 * D, s + h0 * Lp, Lp); break;
-    }
-  }
+  for_head_blocks(G, [&](auto gb, int64_t h0) MET_AVX2_TARGET {
+    scores_avx2<gb.value>(p, kg, k_scale, slots, L, h0 == 0 ? &ra : nullptr, qf + h0 * D,
+                          s + h0 * Lp, Lp);
+  });
   float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
   softmax_rows<vfloat8, vint8>(s, G, L, Lp, inv_sum, row_max, row_sum);
   // Each value row's scale joins its weight: sum_t w_t (s_t q_t) = sum_t (w_t s_t) q_t.
@@ -1069,14 +1078,10 @@ MET_AVX2_TARGET __attribute__((noinline)) void attend_int8_avx2(const Problem& p
       _mm256_storeu_ps(w, _mm256_mul_ps(_mm256_loadu_ps(w), vsv));
     }
   }
-  for (int64_t h0 = 0; h0 < G; h0 += 3) {
-    const ReadAhead* fetch = h0 == 0 ? &ra : nullptr;
-    switch (std::min<int64_t>(3, G - h0)) {
-      case 3: values_avx2<3>(p, vg, slots, L, fetch, s + h0 * Lp, Lp, acc + h0 * D); break;
-      case 2: values_avx2<2>(p, vg, slots, L, fetch, s + h0 * Lp, Lp, acc + h0 * D); break;
-      default: values_avx2<1>(p, vg, slots, L, fetch, s + h0 * Lp, Lp, acc + h0 * D); break;
-    }
-  }
+  for_head_blocks(G, [&](auto gb, int64_t h0) MET_AVX2_TARGET {
+    values_avx2<gb.value>(p, vg, slots, L, h0 == 0 ? &ra : nullptr, s + h0 * Lp, Lp,
+                          acc + h0 * D);
+  });
   finish<Q, kNaturalOrder>(p, t, acc, inv_sum, row_max, row_sum);
 }
 #else
