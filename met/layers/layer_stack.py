@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +31,9 @@ from met.layers.kv_cache import KVCache
 from met.layers.linear import Linear
 from met.layers.native import native_op
 from met.layers.w4a8 import AMX_MIN_ROWS
+
+if TYPE_CHECKING:  # met.models.llama imports this module
+    from met.models.llama import FusedLayer
 
 _NAME = "met_layer_stack_v1"
 
@@ -52,7 +55,7 @@ class LayerStack:
     out_features: list[int]
     # The first layer (`met.models.llama.FusedLayer`): its rotary tables, head counts,
     # attention scale and window are every layer's (`build` checks).
-    shared: Any
+    shared: FusedLayer
     attention_op: str
 
     def run(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: Sequence[KVCache]
@@ -75,8 +78,8 @@ class LayerStack:
             plan.decode_slots, plan.decode_offsets, shared.scale, fused_ops.NAME)
 
 
-def build(layers: Sequence, projections: Sequence[Sequence[Linear]], first_norm: torch.Tensor,
-          first_eps: float) -> LayerStack | None:
+def build(layers: Sequence[FusedLayer], projections: Sequence[Sequence[Linear]],
+          first_norm: torch.Tensor, first_eps: float) -> LayerStack | None:
     """The stack of a model's fused layers (`met.models.llama.FusedLayer`: norms, rotary
     tables, head counts, window) and their projections (qkv, o, gate_up, down per layer), or
     None where it does not apply (see the module docstring) or a kernel did not build."""

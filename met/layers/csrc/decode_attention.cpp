@@ -901,23 +901,35 @@ const bool kInt8Avx2 = int8_avx2_path();
 // 0.32 ms with one layer's cache in L3; 48-192 rows ahead measured alike).
 constexpr int64_t kReadAhead = 128;
 
+// Where a task's int8 rows and their scales are: kv head g's cache, read by slot.
+struct Int8Rows {
+  const int8_t *k = nullptr, *v = nullptr;
+  const float *k_scale = nullptr, *v_scale = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t L = 0;
+};
+
+MET_INLINE Int8Rows int8_rows(const Problem& p, const Span& t) {
+  return {static_cast<const int8_t*>(p.k) + t.g * p.k_s0,
+          static_cast<const int8_t*>(p.v) + t.g * p.v_s0, p.k_scale + t.g * p.S,
+          p.v_scale + t.g * p.S, t.slots, t.L};
+}
+
 struct ReadAhead {
-  const int8_t *k, *v, *next_k;
-  const float *k_scale, *v_scale, *next_k_scale;
-  const int64_t *slots, *next_slots;
-  int64_t L, next_L, k_s1, v_s1;
+  Int8Rows task, next;  // next: empty (L = 0) for a thread's last task
+  int64_t k_s1, v_s1;
 
   MET_INLINE void fetch(int64_t n) const {
     const int8_t* base;
     const float* scale;
     const int64_t* sl;
     int64_t s1 = k_s1;
-    if (n < L) {
-      base = k, scale = k_scale, sl = slots;
-    } else if (n < 2 * L) {
-      n -= L, base = v, scale = v_scale, sl = slots, s1 = v_s1;
-    } else if (n - 2 * L < next_L) {
-      n -= 2 * L, base = next_k, scale = next_k_scale, sl = next_slots;
+    if (n < task.L) {
+      base = task.k, scale = task.k_scale, sl = task.slots;
+    } else if (n < 2 * task.L) {
+      n -= task.L, base = task.v, scale = task.v_scale, sl = task.slots, s1 = v_s1;
+    } else if (n - 2 * task.L < next.L) {
+      n -= 2 * task.L, base = next.k, scale = next.k_scale, sl = next.slots;
     } else {
       return;
     }
@@ -1022,7 +1034,7 @@ MET_AVX2_TARGET MET_INLINE void values_avx2(const Problem& p, const int8_t* vg,
 }
 
 // f(std::integral_constant<int, GB>, h0) for the G heads in blocks of up to three (h0: the
-// block's first head); only the first block reads ahead.
+// block's first head).
 template <typename F>
 MET_INLINE void for_head_blocks(int64_t G, F&& f) {
   for (int64_t h0 = 0; h0 < G; h0 += 3) {
@@ -1040,30 +1052,23 @@ template <typename Q>
 MET_AVX2_TARGET __attribute__((noinline)) void attend_int8_avx2(const Problem& p, const Span& t,
                                                                 const Span* next, bool cold,
                                                                 float* ws) {
-  const int64_t D = p.D, G = p.H / p.Hkv;
-  const int64_t i = t.i, g = t.g, L = t.L;
+  const int64_t D = p.D, G = p.H / p.Hkv, L = t.L;
   const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;
-  const int64_t* slots = t.slots;
-  const int8_t* kg = static_cast<const int8_t*>(p.k) + g * p.k_s0;
-  const int8_t* vg = static_cast<const int8_t*>(p.v) + g * p.v_s0;
-  const float* k_scale = p.k_scale + g * p.S;
-  const float* v_scale = p.v_scale + g * p.S;
+  const Int8Rows rows = int8_rows(p, t);
+  const int64_t* slots = rows.slots;
   float* qf = ws;            // [G, D]
   float* acc = qf + G * D;   // [G, D]
   float* s = acc + G * D;    // [G, Lp]: scores, then probabilities
-  const ReadAhead ra{kg, vg,
-                     next ? static_cast<const int8_t*>(p.k) + next->g * p.k_s0 : nullptr,
-                     k_scale, v_scale, next ? p.k_scale + next->g * p.S : nullptr,
-                     slots, next ? next->slots : nullptr, L, next ? next->L : 0, p.k_s1,
-                     p.v_s1};
+  const ReadAhead ra{rows, next != nullptr ? int8_rows(p, *next) : Int8Rows{}, p.k_s1, p.v_s1};
 
-  load_q<Q, kNaturalOrder>(p, i, g, qf);
+  load_q<Q, kNaturalOrder>(p, t.i, t.g, qf);
   if (cold) {
     for (int64_t n = 0; n < std::min(kReadAhead, L); ++n) ra.fetch(n);
   }
+  // The first head block's pass over the rows reads ahead; later blocks find them in cache.
   for_head_blocks(G, [&](auto gb, int64_t h0) MET_AVX2_TARGET {
-    scores_avx2<gb.value>(p, kg, k_scale, slots, L, h0 == 0 ? &ra : nullptr, qf + h0 * D,
-                          s + h0 * Lp, Lp);
+    scores_avx2<gb.value>(p, rows.k, rows.k_scale, slots, L, h0 == 0 ? &ra : nullptr,
+                          qf + h0 * D, s + h0 * Lp, Lp);
   });
   float inv_sum[64], row_max[64], row_sum[64];  // G <= 64 is checked by the caller
   softmax_rows<vfloat8, vint8>(s, G, L, Lp, inv_sum, row_max, row_sum);
@@ -1071,7 +1076,7 @@ MET_AVX2_TARGET __attribute__((noinline)) void attend_int8_avx2(const Problem& p
   // Eight keys at a time (the scores are padded to Lp, a multiple of 16).
   for (int64_t t0 = 0; t0 < L; t0 += 8) {
     alignas(32) float vs[8];
-    for (int j = 0; j < 8; ++j) vs[j] = v_scale[slots[std::min(t0 + j, L - 1)]];
+    for (int j = 0; j < 8; ++j) vs[j] = rows.v_scale[slots[std::min(t0 + j, L - 1)]];
     const __m256 vsv = _mm256_load_ps(vs);
     for (int64_t h = 0; h < G; ++h) {
       float* w = s + h * Lp + t0;
@@ -1079,7 +1084,7 @@ MET_AVX2_TARGET __attribute__((noinline)) void attend_int8_avx2(const Problem& p
     }
   }
   for_head_blocks(G, [&](auto gb, int64_t h0) MET_AVX2_TARGET {
-    values_avx2<gb.value>(p, vg, slots, L, h0 == 0 ? &ra : nullptr, s + h0 * Lp, Lp,
+    values_avx2<gb.value>(p, rows.v, slots, L, h0 == 0 ? &ra : nullptr, s + h0 * Lp, Lp,
                           acc + h0 * D);
   });
   finish<Q, kNaturalOrder>(p, t, acc, inv_sum, row_max, row_sum);
