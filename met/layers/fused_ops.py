@@ -30,7 +30,7 @@ import torch
 from met.layers.kv_cache import KVCache
 from met.layers.native import load_native_ops, native_op
 
-NAME = "met_fused_ops_v11"
+NAME = "met_fused_ops_v12"
 
 
 def _ops():

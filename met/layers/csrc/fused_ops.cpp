@@ -108,10 +108,50 @@ MET_INLINE void store_v(T* p, vfloat f) {
   else vstore(p, f);
 }
 
-template <typename T>
-MET_INLINE vfloat rnd(vfloat f) {
-  if constexpr (sizeof(T) == 2) return round_bf16(f);
+template <typename T, typename V>
+MET_INLINE V rnd(V f) {
+  if constexpr (sizeof(T) == 2) return round_bf16(f);  // V = vfloat
   else return f;
+}
+
+// The first n values at p widened to float32 in a V of sixteen or eight lanes, the others
+// zero.
+template <typename T, typename V>
+MET_INLINE V load_lanes(const T* p, int64_t n) {
+  if constexpr (sizeof(V) == sizeof(vfloat)) {
+    return load_n(p, n);
+  } else {
+    V v;
+    float f[sizeof(V) / sizeof(float)] = {};
+    if constexpr (sizeof(T) == 4) {
+      if (n == sizeof(V) / sizeof(float)) {  // whole: one load, not through the stack
+        std::memcpy(&v, p, sizeof(v));
+        return v;
+      }
+      std::memcpy(f, p, n * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t w = static_cast<uint32_t>(p[i]) << 16;
+        std::memcpy(f + i, &w, sizeof(w));
+      }
+    }
+    std::memcpy(&v, f, sizeof(v));
+    return v;
+  }
+}
+
+// The first n lanes of f stored at p as T (V = vfloat8 only for T = float).
+template <typename T, typename V>
+MET_INLINE void store_lanes(T* p, V f, int64_t n) {
+  if constexpr (sizeof(V) == sizeof(vfloat)) {
+    store_n(p, f, n);
+  } else if (n == sizeof(V) / sizeof(float)) {
+    std::memcpy(p, &f, sizeof(f));
+  } else {
+    float t[sizeof(V) / sizeof(float)];
+    std::memcpy(t, &f, sizeof(t));
+    std::memcpy(p, t, n * sizeof(float));
+  }
 }
 
 // The two instantiations of a row function body as target_clones entries.
@@ -154,10 +194,13 @@ MET_INLINE vfloat vexp(vfloat x) { return vexp_t<vfloat, vint>(x); }
 
 // Rows [r0, r1): residual = bf16(x + delta) when delta is given (stored to sum_out), then
 // out = bf16(w * bf16(v * rsqrt(mean(v^2) + eps))), as met.layers.norms.RMSNorm computes it.
-template <typename T>
+// In V = vfloat, or vfloat8 for float32 rows: then two accumulators side by side hold the
+// sixteen lanes of the sum of squares, so both widths add in one order (the same bits).
+template <typename T, typename V>
 MET_INLINE void rms_norm_rows_impl(const void* x_, const void* delta_, void* sum_out_,
                                    void* out_, const void* w_, int64_t r0, int64_t r1,
                                    int64_t D, float eps) {
+  constexpr int64_t kW = sizeof(V) / sizeof(float), kParts = kLanes / kW;
   const T* x = static_cast<const T*>(x_);
   const T* delta = static_cast<const T*>(delta_);
   const T* w = static_cast<const T*>(w_);
@@ -165,38 +208,50 @@ MET_INLINE void rms_norm_rows_impl(const void* x_, const void* delta_, void* sum
   T* out = static_cast<T*>(out_);
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * D;
-    const T* src = xr;
-    vfloat acc = {};
-    if (delta != nullptr) {
-      const T* dr = delta + r * D;
-      T* sr = sum_out + r * D;
-      for (int64_t d = 0; d < D; d += kLanes) {
-        const int64_t n = std::min(kLanes, D - d);
-        const vfloat v = rnd<T>(load_n(xr + d, n) + load_n(dr + d, n));
-        store_n(sr + d, v, n);
-        acc += v * v;
-      }
-      src = sr;
-    } else {
-      for (int64_t d = 0; d < D; d += kLanes) {
-        const vfloat v = load_n(xr + d, std::min(kLanes, D - d));
-        acc += v * v;
+    const T* dr = delta == nullptr ? nullptr : delta + r * D;
+    T* sr = delta == nullptr ? nullptr : sum_out + r * D;
+    V acc[kParts] = {};
+    for (int64_t d = 0; d < D; d += kLanes) {
+#pragma GCC unroll 2
+      for (int64_t j = 0; j < kParts; ++j) {  // lanes j * kW.. of the sixteen
+        const int64_t at = d + j * kW, n = std::min(kW, D - at);
+        if (n <= 0) break;  // past the end: adding zeros changes no sum
+        V v = load_lanes<T, V>(xr + at, n);
+        if (dr != nullptr) {
+          v = rnd<T>(v + load_lanes<T, V>(dr + at, n));
+          store_lanes(sr + at, v, n);
+        }
+        acc[j] += v * v;
       }
     }
-    const float inv = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(D) + eps);
+    vfloat sum;
+    std::memcpy(&sum, acc, sizeof(sum));
+    const float inv = 1.0f / std::sqrt(hsum(sum) / static_cast<float>(D) + eps);
+    const T* src = dr == nullptr ? xr : sr;
     T* orow = out + r * D;
-    for (int64_t d = 0; d < D; d += kLanes) {
-      const int64_t n = std::min(kLanes, D - d);
-      const vfloat normed = rnd<T>(load_n(src + d, n) * inv);
-      store_n(orow + d, normed * load_n(w + d, n), n);
+    for (int64_t d = 0; d < D; d += kW) {
+      const int64_t n = std::min(kW, D - d);
+      const V normed = rnd<T>(load_lanes<T, V>(src + d, n) * inv);
+      store_lanes(orow + d, normed * load_lanes<T, V>(w + d, n), n);
     }
   }
 }
 
-MET_TYPED_ENTRIES(rms_norm_rows, rms_norm_rows_impl,
-                  (const void* x, const void* delta, void* sum_out, void* out, const void* w,
-                   int64_t r0, int64_t r1, int64_t D, float eps),
-                  (x, delta, sum_out, out, w, r0, r1, D, eps))
+MET_CLONES void rms_norm_rows_bf16(const void* x, const void* delta, void* sum_out, void* out,
+                                   const void* w, int64_t r0, int64_t r1, int64_t D,
+                                   float eps) {
+  rms_norm_rows_impl<uint16_t, vfloat>(x, delta, sum_out, out, w, r0, r1, D, eps);
+}
+
+MET_CLONES void rms_norm_rows_f32(const void* x, const void* delta, void* sum_out, void* out,
+                                  const void* w, int64_t r0, int64_t r1, int64_t D,
+                                  float eps) {
+  if (kWideVectors) {
+    rms_norm_rows_impl<float, vfloat>(x, delta, sum_out, out, w, r0, r1, D, eps);
+  } else {
+    rms_norm_rows_impl<float, vfloat8>(x, delta, sum_out, out, w, r0, r1, D, eps);
+  }
+}
 
 // Rows of bfloat16 or float32: the type's entry.
 #define MET_CALL_TYPED(is_float, name, ...) \
@@ -380,34 +435,72 @@ struct RopeProblem {
 constexpr int64_t kMaxHeadDim = 512;
 
 typedef int8_t vchar __attribute__((vector_size(16)));
+typedef int8_t vchar32 __attribute__((vector_size(32)));
+
+// The first n of r's lanes (each in [-128, 127]) as bytes at q.
+MET_INLINE void store_q8(vint r, int8_t* q, int64_t n) {
+  const vchar b = __builtin_convertvector(r, vchar);
+  std::memcpy(q, &b, n);
+}
+
+// Eight lanes: GCC 12 narrows a vint8 lane by lane through general registers; the low byte
+// of each lane picked by a byte shuffle is two VPSHUFB and a VPERMQ on AVX2.
+MET_INLINE void store_q8(vint8 r, int8_t* q, int64_t n) {
+  vchar32 bytes;
+  std::memcpy(&bytes, &r, sizeof(bytes));
+#if defined(__clang__)
+  const vchar32 b = __builtin_shufflevector(bytes, bytes, 0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0,
+                                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                            0, 0, 0, 0);
+#else
+  const vchar32 b = __builtin_shuffle(bytes, vchar32{0, 4, 8, 12, 16, 20, 24, 28});
+#endif
+  if (n == 8) {
+    std::memcpy(q, &b, 8);
+  } else {
+    std::memcpy(q, &b, n);
+  }
+}
 
 // One row of D values into int8 with its scale, as met.layers.kv_cache.quantize_rows does
 // it: scale = max|x| / 127, q = round-half-even(x / scale), all in float32 (0 for an
 // all-zero row). A division, not a multiply by 127 / max|x|: GCC contracts a multiply and
 // the rounding add below into one FMA, which would round some ties differently from torch.
-template <typename T>
-MET_INLINE void quantize_row_q8(const T* x, int64_t D, int8_t* q, float* scale) {
-  vfloat vmax = {};
-  for (int64_t d = 0; d < D; d += kLanes) {  // a partial last chunk is zero-padded
-    const vfloat v = load_n(x + d, std::min(kLanes, D - d));
-    const vfloat a = v < 0.f ? -v : v;
+// In V = vfloat or vfloat8 (the running max is a select): the same bits either way.
+template <typename T, typename V, typename VI>
+MET_INLINE void quantize_row_q8_t(const T* x, int64_t D, int8_t* q, float* scale) {
+  constexpr int64_t kW = sizeof(V) / sizeof(float);
+  V vmax = {};
+  for (int64_t d = 0; d < D; d += kW) {  // a partial last chunk is zero-padded
+    const V v = load_lanes<T, V>(x + d, std::min(kW, D - d));
+    const V a = v < 0.f ? -v : v;
     vmax = a > vmax ? a : vmax;
   }
+  float lanes[kW];
+  std::memcpy(lanes, &vmax, sizeof(lanes));
   float absmax = 0.f;
-  for (int l = 0; l < kLanes; ++l) absmax = std::max(absmax, vmax[l]);
+  for (int l = 0; l < kW; ++l) absmax = std::max(absmax, lanes[l]);
   const float s = absmax / 127.0f;
   *scale = s;
   if (s == 0.f) {
     std::memset(q, 0, D);
     return;
   }
-  for (int64_t d = 0; d < D; d += kLanes) {
-    const int64_t n = std::min(kLanes, D - d);
+  for (int64_t d = 0; d < D; d += kW) {
+    const int64_t n = std::min(kW, D - d);
     // Adding and taking off 1.5 * 2^23 rounds |y| <= 127 to the nearest integer, ties to even.
-    const vfloat y = load_n(x + d, n) / s;
-    const vfloat r = (y + 12582912.0f) - 12582912.0f;
-    const vchar b = __builtin_convertvector(__builtin_convertvector(r, vint), vchar);
-    std::memcpy(q + d, &b, n);
+    const V y = load_lanes<T, V>(x + d, n) / s;
+    const V r = (y + 12582912.0f) - 12582912.0f;
+    store_q8(__builtin_convertvector(r, VI), q + d, n);
+  }
+}
+
+template <typename T>
+MET_INLINE void quantize_row_q8(const T* x, int64_t D, int8_t* q, float* scale) {
+  if (kWideVectors) {
+    quantize_row_q8_t<T, vfloat, vint>(x, D, q, scale);
+  } else {
+    quantize_row_q8_t<T, vfloat8, vint8>(x, D, q, scale);
   }
 }
 
