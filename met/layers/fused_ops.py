@@ -8,6 +8,9 @@ are as many passes over the activations. These ops do each chain in one call:
 - ``silu_mul(gate_up)``: SiLU of the first half times the second half;
 - ``argmax(logits)``: each float32 row's argmax, as torch.argmax(dim=-1) gives it (the
   greedy pick; torch's CPU argmax reads [64, 49152] logits ~8x slower);
+- ``top_p_threshold(probs, top_p)``: per float32 row the smallest probability nucleus
+  sampling keeps (a weighted quickselect, O(V): a sort or a widening torch.topk costs ~2 ms
+  a row on a 49k vocabulary when the nucleus is wide);
 - ``rope_qkv_to_cache(qkv, positions, cos, sin, kv, slots, H, Hkv) -> q``: rope on the q
   and k heads of the fused projection, rotated keys and the values written to their cache
   slots (an int8 `KVCache` gets each row quantized as `kv_cache.quantize_rows` does it, bit
@@ -30,7 +33,7 @@ import torch
 from met.layers.kv_cache import KVCache
 from met.layers.native import load_native_ops, native_op
 
-NAME = "met_fused_ops_v12"
+NAME = "met_fused_ops_v13"
 
 
 def _ops():
@@ -61,6 +64,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _op("silu_mul")(gate_up)
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Per row of float32 CPU ``probs`` [T, V], the smallest probability top-p sampling
+    keeps: min{v : mass of the tokens above v < top_p} (``top_p`` float64 [T]); None where
+    the kernels do not run (another device or dtype, no compiler)."""
+    native = probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
+    op = _op("top_p_threshold") if native and probs.shape[1] > 0 else None
+    return None if op is None else op(probs.contiguous(), top_p.to(torch.float64).contiguous())
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

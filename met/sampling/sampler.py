@@ -6,9 +6,15 @@ allowed_token_ids masks → logit_bias → grammar mask (outside thinking) → t
 forced token → [greedy rows: argmax] → top-n-σ → temperature → top-k → min-p → top-p →
 sample.
 
-Randomness comes from an exponential race (argmax of p / E, E ~ Exp(1)), which samples
-exactly from p. Each seeded request draws its E from its own generator, so its tokens
-never depend on its batch mates or its row. Logprobs are of the raw model distribution.
+Randomness is one uniform draw u per sampled row: its token is the first whose cumulative
+probability passes u (inverse CDF, summed in float64), which samples exactly from p. Each
+seeded request draws its u from its own generator, so its tokens never depend on its batch
+mates or its row. Logprobs are of the raw model distribution.
+
+Cost on a CPU matters at every step: a 49k-token vocabulary, 64 rows. An exponential race
+(one Exp(1) draw per token) took ~1 ms a row and a full sort for top-k / top-p ~2 ms a row;
+top-k and top-p here take the few largest values (torch.topk) instead, and the draw sums
+blocks of the row before it sums tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from met.layers import fused_ops
 from met.sampling.grammar import apply_grammar_masks
@@ -24,6 +31,8 @@ from met.sampling.params import SamplingParams
 from met.scheduler.request import Request
 
 _NEG_INF = float("-inf")
+_TOP_P_FIRST = 64  # tokens top-p looks at first (more only if their mass falls short)
+_DRAW_BLOCK = 256  # tokens per block of the inverse-CDF draw's first search
 
 
 @dataclass(frozen=True)
@@ -56,11 +65,12 @@ class Sampler:
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             sub = [requests[i] for i in sampled_rows]
-            probs = sampling_probs(logits[rows], [r.params for r in sub])
-            race = torch.empty(probs.shape, dtype=torch.float32)
-            for i, r in enumerate(sub):
-                race[i].exponential_(generator=r.generator or self.generator)
-            tokens[rows] = (probs / race.to(probs.device)).argmax(dim=-1)
+            every = len(sampled_rows) == len(requests)  # no row copy (sampling_probs copies)
+            probs = sampling_probs(logits if every else logits[rows], [r.params for r in sub])
+            uniforms = torch.cat([
+                torch.rand(1, dtype=torch.float64, generator=r.generator or self.generator)
+                for r in sub])
+            tokens[rows] = inverse_cdf_draw(probs, uniforms.to(probs.device))
 
         token_list = tokens.tolist()
         logprobs = [
@@ -132,14 +142,40 @@ def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution sampled rows draw from: top-n-σ → temperature → top-k → min-p →
-    top-p → softmax."""
+    softmax → top-p (renormalized)."""
     logits = _apply_top_n_sigma(logits, [p.top_n_sigma for p in params])
-    temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-    logits = logits / temps
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
     logits = _apply_top_k(logits, [p.top_k for p in params])
     logits = _apply_min_p(logits, [p.min_p for p in params])
-    logits = _apply_top_p(logits, [p.top_p for p in params])
-    return torch.softmax(logits, dim=-1)
+    return _apply_top_p(torch.softmax(logits, dim=-1), [p.top_p for p in params])
+
+
+def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds u_i times the row's
+    total, for u_i uniform in [0, 1) — a draw from the row's distribution. The search runs
+    over blocks of `_DRAW_BLOCK` tokens first (each summed in float32: ~1e-6 relative, a
+    float64 copy of whole rows cost more than the rest of the draw), the blocks' running
+    total and then the tokens of the block the target falls in in float64. u · total <
+    total exactly (u <= 1 - 2^-53), so the pick is a token where the sum grows: one with
+    probability > 0."""
+    rows, vocab = probs.shape
+    padded = probs if vocab % _DRAW_BLOCK == 0 else F.pad(probs, (0, -vocab % _DRAW_BLOCK))
+    blocks = padded.view(rows, -1, _DRAW_BLOCK)
+    block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)
+    target = uniforms.to(torch.float64).unsqueeze(1) * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks.shape[1] - 1)
+    before = block_cdf.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
+    inner = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)]
+    cdf = before + inner.cumsum(dim=-1, dtype=torch.float64)
+    within = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # The block's sum and the running sum inside it may round apart (~1e-16): should the
+    # target pass the block's end, its last token with mass (NaN rows land in range too).
+    past = within >= _DRAW_BLOCK
+    if bool(past.any()):
+        within[past] = _DRAW_BLOCK - 1 - (inner[past].flip(1) > 0).to(torch.int8).argmax(dim=1)
+    return (block.squeeze(1) * _DRAW_BLOCK + within).clamp_(max=vocab - 1)
 
 
 def _index(rows: list[int], cols: list[int], device: torch.device
@@ -378,7 +414,7 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     if all(k == vocab for k in ks):
         return logits
     k_t = torch.tensor(ks, device=logits.device).unsqueeze(1)
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, k_t - 1)
+    kth = logits.topk(max(ks), dim=-1).values.gather(1, k_t - 1)
     return logits.masked_fill(logits < kth, _NEG_INF)
 
 
@@ -392,18 +428,38 @@ def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
-def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    if all(p >= 1.0 for p in top_ps):
-        return logits
-    # Rows with top_p = 1 get +inf so float rounding in the cumsum never drops a token.
-    p_t = torch.tensor([p if p < 1.0 else math.inf for p in top_ps],
-                       device=logits.device).unsqueeze(1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
-    drop = (probs.cumsum(dim=-1) - probs) >= p_t
-    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Keep a row's most likely tokens until their mass reaches top_p, renormalized: a token
+    is dropped when the mass of the tokens before it (most likely first) already reaches
+    top_p, so at least one stays; a token tied with the last one kept stays too."""
+    rows = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if not rows:
+        return probs
+    sub = probs if len(rows) == len(top_ps) else probs[rows]
+    p_t = torch.tensor([top_ps[i] for i in rows], dtype=torch.float64)
+    threshold = fused_ops.top_p_threshold(sub, p_t)
+    if threshold is None:
+        threshold = _top_p_threshold(sub, p_t.to(sub.device))
+    cut = sub.masked_fill(sub < threshold.unsqueeze(1), 0.0)
+    cut = cut / cut.sum(dim=-1, keepdim=True)
+    if len(rows) == len(top_ps):
+        return cut
+    out = probs.clone()
+    out[rows] = cut
+    return out
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`fused_ops.top_p_threshold` in torch ops (other devices): the cut is looked for among
+    the `_TOP_P_FIRST` most likely tokens, then 8x as many, ... (all of them at worst)."""
+    vocab, k = probs.shape[-1], min(_TOP_P_FIRST, probs.shape[-1])
+    while True:
+        top = probs.topk(k, dim=-1).values  # most likely first
+        kept = ((top.cumsum(dim=-1) - top) < top_p.unsqueeze(1).to(top.dtype)).sum(
+            dim=-1, keepdim=True)
+        if k == vocab or bool((kept < k).all()):
+            return top.gather(1, kept.clamp(min=1) - 1).squeeze(1)
+        k = min(vocab, 8 * k)
 
 
 def _logprob_entry(row: torch.Tensor, token: int, top: int) -> dict[int, float]:

@@ -16,7 +16,13 @@ from transformers.generation.logits_process import (
 )
 
 from met.sampling.params import SamplingParams
-from met.sampling.sampler import Sampler, dry_breaker_ids, process_logits, sampling_probs
+from met.sampling.sampler import (
+    Sampler,
+    dry_breaker_ids,
+    inverse_cdf_draw,
+    process_logits,
+    sampling_probs,
+)
 from met.scheduler.request import Request
 
 V = 50
@@ -166,6 +172,80 @@ def test_filters_match_transformers_warpers(kw, warper):
     torch.testing.assert_close(ours, theirs)
 
 
+def test_top_p_and_top_k_on_a_large_vocabulary_match_transformers_row_by_row():
+    # A flat head needs hundreds of tokens for the nucleus (more than top-p looks at first),
+    # a peaked row only a few; rows with top_p = 1 and different top_k share the batch.
+    vocab = 4096
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.randn(vocab, generator=gen) * 0.1
+    peaked = torch.randn(vocab, generator=gen) * 4
+    logits = torch.stack([flat, peaked, flat, peaked])
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5),
+              SamplingParams(top_k=700), SamplingParams(top_k=3, top_p=0.99)]
+    ours = sampling_probs(logits, params)
+    warpers = [[TopPLogitsWarper(0.9)], [TopPLogitsWarper(0.5)], [TopKLogitsWarper(700)],
+               [TopKLogitsWarper(3), TopPLogitsWarper(0.99)]]
+    for i, chain in enumerate(warpers):
+        row = logits[i:i + 1].clone()
+        for warper in chain:
+            row = warper(None, row)
+        torch.testing.assert_close(ours[i], torch.softmax(row, dim=-1)[0], msg=f"row {i}")
+    assert int((ours[0] > 0).sum()) > 500  # the flat row's nucleus is wide
+
+
+def test_native_top_p_cut_matches_the_definition_and_the_torch_path():
+    # Flat, peaked and tied rows; the cut is min{v : mass of tokens above v < top_p}.
+    from met.layers import fused_ops
+    from met.sampling.sampler import _top_p_threshold
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randn(5000, generator=gen) * 0.05, torch.randn(5000, generator=gen) * 5,
+            torch.randint(0, 4, (5000,), generator=gen).float(), torch.zeros(5000)]
+    rows[3][17] = 1.0  # one token holds all the mass
+    probs = torch.softmax(torch.stack(rows), dim=-1)
+    probs[3] = torch.where(probs[3] > 0.5, 1.0, 0.0)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        p_t = torch.full((4,), top_p, dtype=torch.float64)
+        native = fused_ops.top_p_threshold(probs, p_t)
+        assert native is not None
+        for i in range(4):
+            values = probs[i].double()
+            want = min(v for v in set(values.tolist()) if float(values[values > v].sum()) < top_p)
+            assert float(native[i]) == pytest.approx(want, rel=0, abs=0), (i, top_p)
+        torch.testing.assert_close(_top_p_threshold(probs, p_t), native, rtol=0, atol=0)
+
+
+def test_inverse_cdf_draw_picks_only_tokens_with_mass():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0],
+                          [0.0, 0.25, 0.0, 0.75, 0.0],
+                          [0.0, 0.25, 0.0, 0.75, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 1.0]])
+    below_one = 1.0 - 2.0 ** -53
+    uniforms = torch.tensor([0.0, 0.2499, 0.25, below_one], dtype=torch.float64)
+    assert inverse_cdf_draw(probs, uniforms).tolist() == [1, 1, 3, 4]
+    # The largest u never reaches the trailing zero-mass token, whatever the row's total.
+    for total in (1.0, 3.0, 0.7, 1e-30):
+        assert inverse_cdf_draw(probs[:1] * total, uniforms[3:]).tolist() == [3], total
+    # Unnormalized rows: the draw scales by the row's own total.
+    assert inverse_cdf_draw(probs[:1] * 8, torch.tensor([0.3], dtype=torch.float64)
+                            ).tolist() == [3]
+
+
+def test_inverse_cdf_draw_over_many_blocks_matches_the_plain_cumulative_search():
+    # 1000 tokens (blocks of 256 and a padded tail), long runs of zero mass, 3 rows.
+    gen = torch.Generator().manual_seed(6)
+    probs = torch.rand(3, 1000, generator=gen) ** 4
+    probs[:, 100:700] = 0.0
+    probs[1, :] = 0.0
+    probs[1, 999] = 2.0
+    for _ in range(200):
+        uniforms = torch.rand(3, generator=gen, dtype=torch.float64)
+        cdf = probs.double().cumsum(dim=-1)
+        plain = torch.searchsorted(cdf, (uniforms[:, None] * cdf[:, -1:]), right=True)
+        picked = inverse_cdf_draw(probs, uniforms)
+        assert picked.tolist() == plain.squeeze(1).tolist()
+        assert bool((probs.gather(1, picked[:, None]) > 0).all())
+
+
 def test_repetition_penalty_matches_transformers():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2)) * 2
     seqs = [[3, 5, 7, 3, 10], [1, 1, 40, 22]]
@@ -226,7 +306,10 @@ def test_dry_hand_computed_and_breakers_stop_matches():
     logits = torch.zeros(1, 10)
     logits[0, 4], logits[0, 7] = 2.0, 1.0
     assert Sampler()(logits, [make_req(seq, temperature=0)]).token_ids == [4]
-    assert Sampler()(logits, [req]).token_ids == [7]
+    # The penalty turns the greedy choice from 4 (2 - 2 = 0) to 7.
+    penalized = make_req(seq[:4], seq[4:], temperature=0, dry_multiplier=1.0, dry_base=2.0,
+                         dry_sequence_breakers=[])
+    assert Sampler()(logits, [penalized]).token_ids == [7]
     # Token 2 as a breaker: the match "… 3" cannot extend past it, m = 1 < 2: no penalty.
     broken = make_req(seq[:4], seq[4:], dry_multiplier=1.0, dry_base=2.0,
                       dry_sequence_breakers=[2])

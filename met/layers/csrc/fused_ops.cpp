@@ -24,6 +24,8 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "met_simd.h"
 
@@ -675,6 +677,93 @@ at::Tensor argmax_last(const at::Tensor& logits) {
   return out;
 }
 
+// ---- top-p (nucleus) threshold ------------------------------------------------------------
+
+// The top-p cut among buf (every value whose tokens are still undecided), `above` the mass of
+// the tokens above all of them (< top_p): the smallest v in buf with above + mass(buf > v) <
+// top_p, by a weighted quickselect (three-way partitions, masses in double), or the
+// smallest value when even all of buf stays under top_p.
+float top_p_select(std::vector<float>& buf, double above, double top_p) {
+  int64_t lo = 0, hi = static_cast<int64_t>(buf.size());
+  while (hi - lo > 1) {
+    const float pivot = buf[lo + (hi - lo) / 2];
+    // Three-way partition of buf[lo, hi): > pivot, == pivot, < pivot.
+    int64_t gt = lo, lt = hi;
+    double mass_gt = 0.0, mass_eq = 0.0;
+    for (int64_t i = lo; i < lt;) {
+      const float v = buf[i];
+      if (v > pivot) {
+        mass_gt += v;
+        std::swap(buf[i++], buf[gt++]);
+      } else if (v == pivot) {
+        mass_eq += v;
+        ++i;
+      } else {
+        std::swap(buf[i], buf[--lt]);
+      }
+    }
+    if (above + mass_gt >= top_p) {  // the pivot's tokens are dropped: the cut is higher
+      hi = gt;
+    } else if (above + mass_gt + mass_eq >= top_p || lt == hi) {
+      return pivot;  // kept, and every smaller value is dropped (or there is none)
+    } else {
+      above += mass_gt + mass_eq;
+      lo = lt;
+    }
+  }
+  return buf[lo];
+}
+
+// Row p [V] of probabilities (>= 0): the smallest value top-p sampling keeps, t = min{v :
+// mass of the tokens with p > v < top_p} (a token is dropped once the more likely ones hold
+// top_p; ties with the last kept token stay). One pass sums the mass per bucket of the
+// values' top bits (exponent and 5 mantissa bits: monotone for floats >= 0), from the top
+// down to the bucket where the mass reaches top_p; only that bucket's values (a 32nd of an
+// octave) go through the quickselect: O(V) with small constants instead of a sort. A NaN
+// keeps everything (0).
+constexpr int kTopPBucketShift = 18;
+
+float top_p_threshold_row(const float* p, int64_t V, double top_p, std::vector<double>& mass,
+                          std::vector<float>& buf) {
+  mass.assign(size_t{1} << (31 - kTopPBucketShift), 0.0);
+  for (int64_t i = 0; i < V; ++i) {
+    if (!(p[i] >= 0.0f)) return 0.0f;  // NaN (or a negative value: not probabilities)
+    uint32_t bits;
+    std::memcpy(&bits, p + i, sizeof(bits));
+    mass[bits >> kTopPBucketShift] += p[i];
+  }
+  double above = 0.0;
+  int64_t bucket = static_cast<int64_t>(mass.size()) - 1;
+  for (; bucket > 0 && above + mass[bucket] < top_p; --bucket) above += mass[bucket];
+  buf.clear();
+  for (int64_t i = 0; i < V; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, sizeof(bits));
+    if (static_cast<int64_t>(bits >> kTopPBucketShift) == bucket) buf.push_back(p[i]);
+  }
+  return buf.empty() ? 0.0f : top_p_select(buf, above, top_p);
+}
+
+at::Tensor top_p_threshold(const at::Tensor& probs, const at::Tensor& top_p) {
+  TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 &&
+                  probs.is_contiguous() && probs.size(1) > 0,
+              "top_p_threshold: probs must be a contiguous non-empty 2-D float32 CPU tensor");
+  TORCH_CHECK(top_p.device().is_cpu() && top_p.scalar_type() == at::kDouble &&
+                  top_p.is_contiguous() && top_p.numel() == probs.size(0),
+              "top_p_threshold: top_p must be a contiguous float64 CPU tensor, one per row");
+  const int64_t T = probs.size(0), V = probs.size(1);
+  at::Tensor out = at::empty({T}, probs.options());
+  const float* p = probs.data_ptr<float>();
+  const double* tp = top_p.data_ptr<double>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+    std::vector<double> mass;
+    std::vector<float> buf;
+    for (int64_t r = b; r < e; ++r) o[r] = top_p_threshold_row(p + r * V, V, tp[r], mass, buf);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
@@ -683,6 +772,7 @@ TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
         &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("argmax(Tensor logits) -> Tensor", &argmax_last);
+  m.def("top_p_threshold(Tensor probs, Tensor top_p) -> Tensor", &top_p_threshold);
   m.def(
       "rope_qkv_to_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_heads, "
