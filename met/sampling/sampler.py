@@ -7,14 +7,16 @@ forced token → [greedy rows: argmax] → top-n-σ → temperature → top-k �
 sample.
 
 Randomness is one uniform draw u per sampled row: its token is the first whose cumulative
-probability passes u (inverse CDF, summed in float64), which samples exactly from p. Each
+probability passes u (inverse CDF, running sums in float64): a draw from p exactly. Each
 seeded request draws its u from its own generator, so its tokens never depend on its batch
 mates or its row. Logprobs are of the raw model distribution.
 
 Cost on a CPU matters at every step: a 49k-token vocabulary, 64 rows. An exponential race
 (one Exp(1) draw per token) took ~1 ms a row and a full sort for top-k / top-p ~2 ms a row;
-top-k and top-p here take the few largest values (torch.topk) instead, and the draw sums
-blocks of the row before it sums tokens.
+here top-k takes the k largest logits (torch.topk) and the steps after it read only those;
+top-p's cut comes from one pass and a select (fused_ops.top_p_threshold); the draw sums
+blocks of the row before it sums tokens. Sampled rows run in groups of one top_k, so a
+row's arithmetic never depends on its batch mates.
 """
 
 from __future__ import annotations
@@ -61,16 +63,14 @@ class Sampler:
         dead_ends = _apply_structure(logits, requests)
 
         tokens = fused_ops.argmax(logits)
-        sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            sub = [requests[i] for i in sampled_rows]
-            every = len(sampled_rows) == len(requests)  # no row copy (sampling_probs copies)
-            probs = sampling_probs(logits if every else logits[rows], [r.params for r in sub])
-            uniforms = torch.cat([
-                torch.rand(1, dtype=torch.float64, generator=r.generator or self.generator)
-                for r in sub])
-            tokens[rows] = inverse_cdf_draw(probs, uniforms.to(probs.device))
+        # Sampled rows go in groups of one top_k each: a row's arithmetic (how many candidates
+        # it keeps) then depends on its own parameters only, never on its batch mates'.
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            if not r.params.greedy:
+                groups.setdefault(r.params.top_k, []).append(i)
+        for group in groups.values():
+            tokens[group] = self._draw(logits, group, [requests[i] for i in group])
 
         token_list = tokens.tolist()
         logprobs = [
@@ -79,6 +79,22 @@ class Sampler:
             for i, r in enumerate(requests)
         ]
         return SampleResult(token_list, logprobs, dead_ends)
+
+
+    def _draw(self, logits: torch.Tensor, rows: list[int], requests: list[Request]
+              ) -> torch.Tensor:
+        """Tokens for ``rows`` of ``logits`` (all sampled, one top_k), one uniform from each
+        request's generator (the engine's for unseeded ones)."""
+        every = len(rows) == logits.shape[0]  # no row copy (sampling_candidates copies)
+        probs, candidates = sampling_candidates(logits if every else logits[rows],
+                                                [r.params for r in requests])
+        uniforms = torch.cat([
+            torch.rand(1, dtype=torch.float64, generator=r.generator or self.generator)
+            for r in requests])
+        picked = inverse_cdf_draw(probs, uniforms.to(probs.device))
+        if candidates is not None:
+            picked = candidates.gather(1, picked.unsqueeze(1)).squeeze(1)
+        return picked
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request], *,
@@ -142,14 +158,32 @@ def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution sampled rows draw from: top-n-σ → temperature → top-k → min-p →
-    softmax → top-p (renormalized)."""
-    logits = _apply_top_n_sigma(logits, [p.top_n_sigma for p in params])
+    softmax → top-p (renormalized), over the whole vocabulary."""
+    probs, tokens = sampling_candidates(logits, params)
+    return probs if tokens is None else torch.zeros_like(logits).scatter_(1, tokens, probs)
+
+
+def sampling_candidates(logits: torch.Tensor, params: list[SamplingParams]
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sampling_probs`' distribution, and None; or, when every row has top-k set, only over
+    each row's candidates: probabilities [N, K] and their token ids [N, K] (K the largest
+    top_k), so the steps after top-k read K values a row instead of the vocabulary."""
     temps = [p.temperature for p in params]
-    if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
-    logits = _apply_top_k(logits, [p.top_k for p in params])
-    logits = _apply_min_p(logits, [p.min_p for p in params])
-    return _apply_top_p(torch.softmax(logits, dim=-1), [p.top_p for p in params])
+    sigmas = [p.top_n_sigma for p in params]
+    scaled = any(t != 1.0 for t in temps)
+    temps_t = torch.tensor(temps, device=logits.device).unsqueeze(1) if scaled else None
+    # One working copy of the logits, which every step below edits in place.
+    if scaled and all(n <= 0 for n in sigmas):
+        work = logits / temps_t
+    else:
+        work = _apply_top_n_sigma(logits.clone(), sigmas)
+        if scaled:
+            work.div_(temps_t)
+    work, tokens = _apply_top_k(work, [p.top_k for p in params])
+    _apply_min_p(work, [p.min_p for p in params])
+    work.sub_(work.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
+    work.div_(work.sum(dim=-1, keepdim=True))
+    return _apply_top_p(work, [p.top_p for p in params]), tokens
 
 
 def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -390,7 +424,7 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def _apply_top_n_sigma(logits: torch.Tensor, ns: list[float]) -> torch.Tensor:
     """Keep tokens whose logit is within n population standard deviations of the row's max
-    (statistics over the tokens still allowed)."""
+    (statistics over the tokens still allowed). The filters edit ``logits`` in place."""
     if all(n <= 0 for n in ns):
         return logits
     n_t = torch.tensor([n if n > 0 else math.inf for n in ns],
@@ -405,17 +439,27 @@ def _apply_top_n_sigma(logits: torch.Tensor, ns: list[float]) -> torch.Tensor:
     threshold = top - n_t * var.sqrt()
     # n = inf (off): threshold is -inf or nan; keep everything for those rows.
     threshold = torch.where(torch.isinf(n_t), torch.full_like(top, _NEG_INF), threshold)
-    return logits.masked_fill(logits < threshold, _NEG_INF)
+    return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keep each row's top_k largest logits (and any tied with the k-th). With top-k on every
+    row: the K = max(top_k) largest logits of each row and their token ids, the rest of the
+    vocabulary gone; else the full rows (edited in place) and None. Where the (K+1)-th value
+    of a row ties its k-th (tied tokens beyond the K), the full rows."""
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
     if all(k == vocab for k in ks):
-        return logits
+        return logits, None
     k_t = torch.tensor(ks, device=logits.device).unsqueeze(1)
-    kth = logits.topk(max(ks), dim=-1).values.gather(1, k_t - 1)
-    return logits.masked_fill(logits < kth, _NEG_INF)
+    most = max(ks)
+    values, tokens = logits.topk(min(most + 1, vocab), dim=-1)
+    kth = values.gather(1, k_t - 1)
+    if most < vocab and not bool((values[:, most:] == kth).any()):
+        values = values[:, :most].contiguous()
+        return values.masked_fill_(values < kth, _NEG_INF), tokens[:, :most].contiguous()
+    return logits.masked_fill_(logits < kth, _NEG_INF), None
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
@@ -425,7 +469,7 @@ def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     log_p = torch.tensor([math.log(p) if p > 0 else _NEG_INF for p in min_ps],
                          device=logits.device).unsqueeze(1)
     threshold = logits.max(dim=-1, keepdim=True).values + log_p
-    return logits.masked_fill(logits < threshold, _NEG_INF)
+    return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
 def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
@@ -440,13 +484,12 @@ def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     threshold = fused_ops.top_p_threshold(sub, p_t)
     if threshold is None:
         threshold = _top_p_threshold(sub, p_t.to(sub.device))
-    cut = sub.masked_fill(sub < threshold.unsqueeze(1), 0.0)
-    cut = cut / cut.sum(dim=-1, keepdim=True)
+    cut = sub.masked_fill_(sub < threshold.unsqueeze(1), 0.0)
+    cut.div_(cut.sum(dim=-1, keepdim=True))
     if len(rows) == len(top_ps):
         return cut
-    out = probs.clone()
-    out[rows] = cut
-    return out
+    probs[rows] = cut
+    return probs
 
 
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

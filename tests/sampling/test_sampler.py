@@ -214,6 +214,17 @@ def test_native_top_p_cut_matches_the_definition_and_the_torch_path():
         torch.testing.assert_close(_top_p_threshold(probs, p_t), native, rtol=0, atol=0)
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    # k = 2: the k-th largest logit (1.0) is shared by three tokens; all three stay, as
+    # transformers' TopKLogitsWarper keeps them. The second row has no ties: exactly k stay.
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.5, 0.0]])
+    probs = sampling_probs(logits, [SamplingParams(top_k=2)] * 2)
+    assert (probs[0] > 0).tolist() == [True, True, True, True, False]
+    assert (probs[1] > 0).tolist() == [True, True, False, False, False]
+    theirs = torch.softmax(TopKLogitsWarper(2)(None, logits.clone()), dim=-1)
+    torch.testing.assert_close(probs, theirs)
+
+
 def test_inverse_cdf_draw_picks_only_tokens_with_mass():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0],
                           [0.0, 0.25, 0.0, 0.75, 0.0],
