@@ -3,13 +3,15 @@
     python benchmarks/offline_throughput.py [--model PATH] [--num-prompts 64] [--isl 128]
         [--osl 128] [--dtype float32] [--quantization none] [--kv-cache-dtype auto|int8]
         [--hf-dtype DTYPE] [--hf-batch-size 64] [--skip-hf] [--repeats N]
+        [--temperature T] [--top-p P] [--top-k K]
 
 transformers runs in --hf-dtype (default: --dtype; float32 for auto), so met's fast path can
 be set against transformers' exact float32, e.g. ``--dtype bfloat16 --quantization w4a8
 --hf-dtype float32 --num-prompts 1 --hf-batch-size 1`` for one stream.
 
 Prompts are random token ids of exactly --isl tokens (no padding needed on either side);
-every request generates exactly --osl tokens (ignore_eos / min_new_tokens). Prints one
+every request generates exactly --osl tokens (ignore_eos / min_new_tokens), greedily unless
+--temperature is set (then both engines sample, with --top-p / --top-k). Prints one
 JSON line per engine and the speed-up; with --repeats N both models stay loaded, the engines
 alternate N times (a shared host's speed drifts by tens of percent within minutes: a single
 pair of runs decides nothing near a bar), and a last line gives the medians and the range of
@@ -36,7 +38,8 @@ def _prompts(n: int, isl: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def run_met(args, llm, prompts) -> dict:
     from met import SamplingParams
 
-    params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.osl, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2))  # warm-up
     llm.reset_prefix_cache()
     start = time.perf_counter()
@@ -73,13 +76,21 @@ def run_hf(args, model, prompts) -> dict:
             batch = torch.tensor(prompts[i : i + args.hf_batch_size])
             out = model.generate(batch, attention_mask=torch.ones_like(batch),
                                  max_new_tokens=args.osl, min_new_tokens=args.osl,
-                                 do_sample=False, pad_token_id=0)
+                                 pad_token_id=0, **_hf_sampling(args))
             n_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
     elapsed = time.perf_counter() - start
     return {"engine": "transformers", "dtype": str(model.dtype).removeprefix("torch."),
             "hf_batch_size": args.hf_batch_size, "seconds": elapsed, "output_tokens": n_out,
             "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_out + len(prompts) * args.isl) / elapsed}
+
+
+def _hf_sampling(args) -> dict:
+    """transformers' generate arguments for --temperature / --top-p / --top-k."""
+    if args.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k if args.top_k > 0 else None}
 
 
 def main() -> None:
@@ -98,6 +109,10 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
                    help="transformers' dtype (default: --dtype)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); else both engines sample with it")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs of each engine, alternating met / transformers, then a "
                         "summary line with medians and the per-pair speed-up range")
