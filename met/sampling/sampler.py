@@ -80,7 +80,6 @@ class Sampler:
         ]
         return SampleResult(token_list, logprobs, dead_ends)
 
-
     def _draw(self, logits: torch.Tensor, rows: list[int], requests: list[Request]
               ) -> torch.Tensor:
         """Tokens for ``rows`` of ``logits`` (all sampled, one top_k), one uniform from each

@@ -1,7 +1,8 @@
 // Fused element-wise ops of a decoder layer on CPU, for bfloat16 or float32 activations:
 // RMSNorm (with the residual add folded in), SiLU(gate) * up, and rope on q|k with the new
 // keys and values written straight into the paged cache. Each replaces a chain of 4-10 ATen
-// ops (and as many passes over the activations and Python dispatches) with one call.
+// ops (and as many passes over the activations and Python dispatches) with one call. Two
+// sampler helpers read the logits the same way: the greedy argmax and top-p's cut.
 //
 // Every op reproduces the rounding of the ATen chain it replaces: values are widened to
 // float32, each intermediate that ATen stores as bfloat16 is rounded to bfloat16 at the same
