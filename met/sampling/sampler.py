@@ -55,9 +55,10 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         logits = logits.float()
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # Logprobs of the raw model distribution, for the rows that ask for them.
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = None if not wanted else torch.log_softmax(
+            logits if len(wanted) == len(requests) else logits[wanted], dim=-1)
         # The grammar and thinking masks below write in place: they need a copy too.
         logits = process_logits(logits, requests, copy=_has_structure(requests))
         dead_ends = _apply_structure(logits, requests)
@@ -73,11 +74,12 @@ class Sampler:
             tokens[group] = self._draw(logits, group, [requests[i] for i in group])
 
         token_list = tokens.tolist()
-        logprobs = [
-            _logprob_entry(raw_logprobs[i], token_list[i], r.params.logprobs)
-            if raw_logprobs is not None and r.params.logprobs is not None else None
-            for i, r in enumerate(requests)
-        ]
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, entry in zip(wanted, _logprob_entries(
+                    raw_logprobs, [token_list[i] for i in wanted],
+                    [requests[i].params.logprobs for i in wanted]), strict=True):
+                logprobs[i] = entry
         return SampleResult(token_list, logprobs, dead_ends)
 
     def _draw(self, logits: torch.Tensor, rows: list[int], requests: list[Request]
@@ -173,16 +175,22 @@ def sampling_candidates(logits: torch.Tensor, params: list[SamplingParams]
     temps_t = torch.tensor(temps, device=logits.device).unsqueeze(1) if scaled else None
     # One working copy of the logits, which every step below edits in place.
     if scaled and all(n <= 0 for n in sigmas):
-        work = logits / temps_t
+        # Into a fresh tensor: `logits / temps_t` (a [N, 1] divisor) ran ~4x slower (2 ms
+        # for 64 rows of a 49k vocabulary).
+        work = torch.div(logits, temps_t, out=torch.empty_like(logits))
     else:
         work = _apply_top_n_sigma(logits.clone(), sigmas)
         if scaled:
             work.div_(temps_t)
     work, tokens = _apply_top_k(work, [p.top_k for p in params])
     _apply_min_p(work, [p.min_p for p in params])
-    work.sub_(work.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
-    work.div_(work.sum(dim=-1, keepdim=True))
-    return _apply_top_p(work, [p.top_p for p in params]), tokens
+    return _apply_top_p(_softmax_(work), [p.top_p for p in params]), tokens
+
+
+def _softmax_(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, in place."""
+    x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
+    return x.div_(x.sum(dim=-1, keepdim=True))
 
 
 def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -230,12 +238,19 @@ def _padded(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Te
     return out.to(device)
 
 
-def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[R, V] occurrence counts of each token in each row's list."""
-    ids = _padded(seqs, vocab, device)
-    counts = torch.zeros(len(seqs), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab]
+def _occurrences(seqs: list[list[int]], vocab: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every entry of the token lists as (list index, token id, how often that id occurs in
+    its list), duplicates included: the penalties touch only the tokens a row has seen (a
+    dense [R, V] count table cost several passes over 64 rows of a 49k vocabulary, ~30 ms
+    of a 64-stream step)."""
+    ids = _padded(seqs, vocab, device)  # padded with `vocab`, which no list holds
+    ordered = ids.sort(dim=1).values
+    counts = (torch.searchsorted(ordered, ids, right=True)
+              - torch.searchsorted(ordered, ids)).to(torch.float32)
+    which = torch.arange(len(seqs), device=device).unsqueeze(1).expand_as(ids)
+    real = ids < vocab
+    return which[real], ids[real], counts[real]
 
 
 def _mask_until_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -254,16 +269,14 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> 
     rows = _rows(requests, lambda p: p.repetition_penalty != 1.0)
     if not rows:
         return
-    vocab = logits.shape[1]
     seqs = [requests[i].all_token_ids[-requests[i].params.repetition_penalty_window:]
             for i in rows]
-    seen = _counts(seqs, vocab, logits.device) > 0
+    which, ids, _ = _occurrences(seqs, logits.shape[1], logits.device)
+    at = torch.tensor(rows, device=logits.device)[which]
     pen = torch.tensor([requests[i].params.repetition_penalty for i in rows],
-                       device=logits.device).unsqueeze(1)
-    idx = torch.tensor(rows, device=logits.device)
-    sub = logits[idx]
-    penalised = torch.where(sub > 0, sub / pen, sub * pen)
-    logits[idx] = torch.where(seen, penalised, sub)
+                       device=logits.device)[which]
+    seen = logits[at, ids]  # a token seen twice is written twice, with the same value
+    logits[at, ids] = torch.where(seen > 0, seen / pen, seen * pen)
 
 
 def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -271,14 +284,14 @@ def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request]) -> 
     rows = _rows(requests, lambda p: p.presence_penalty != 0 or p.frequency_penalty != 0)
     if not rows:
         return
-    vocab = logits.shape[1]
-    counts = _counts([requests[i].output_token_ids for i in rows], vocab, logits.device)
+    which, ids, counts = _occurrences([requests[i].output_token_ids for i in rows],
+                                      logits.shape[1], logits.device)
+    at = torch.tensor(rows, device=logits.device)[which]
     pres = torch.tensor([requests[i].params.presence_penalty for i in rows],
-                        device=logits.device).unsqueeze(1)
+                        device=logits.device)[which]
     freq = torch.tensor([requests[i].params.frequency_penalty for i in rows],
-                        device=logits.device).unsqueeze(1)
-    idx = torch.tensor(rows, device=logits.device)
-    logits[idx] -= freq * counts + pres * (counts > 0)
+                        device=logits.device)[which]
+    logits[at, ids] = logits[at, ids] - (freq * counts + pres)
 
 
 LZ_WINDOW = 256
@@ -467,7 +480,7 @@ def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
         return logits
     log_p = torch.tensor([math.log(p) if p > 0 else _NEG_INF for p in min_ps],
                          device=logits.device).unsqueeze(1)
-    threshold = logits.max(dim=-1, keepdim=True).values + log_p
+    threshold = logits.amax(dim=-1, keepdim=True) + log_p
     return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
@@ -504,10 +517,16 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         k = min(vocab, 8 * k)
 
 
-def _logprob_entry(row: torch.Tensor, token: int, top: int) -> dict[int, float]:
-    entry = {token: float(row[token])}
-    if top:
-        values, ids = row.topk(min(top, row.numel()))
-        for v, t in zip(values.tolist(), ids.tolist(), strict=True):
-            entry.setdefault(t, v)
-    return entry
+def _logprob_entries(logprobs: torch.Tensor, tokens: list[int], tops: list[int]
+                     ) -> list[dict[int, float]]:
+    """Per row: the sampled token's logprob, then the row's `top` most likely tokens' (one
+    batched top-k for all rows: per row it cost ~0.1 ms at a 49k vocabulary)."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+    entries = [{t: v} for t, v in zip(tokens, chosen.squeeze(1).tolist(), strict=True)]
+    most = min(max(tops), logprobs.shape[1])
+    if most:
+        values, ids = logprobs.topk(most, dim=-1)
+        for entry, top, vs, ts in zip(entries, tops, values.tolist(), ids.tolist(), strict=True):
+            for v, t in zip(vs[:top], ts[:top], strict=True):
+                entry.setdefault(t, v)
+    return entries
