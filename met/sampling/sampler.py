@@ -87,8 +87,17 @@ class Sampler:
         """Tokens for ``rows`` of ``logits`` (all sampled, one top_k), one uniform from each
         request's generator (the engine's for unseeded ones)."""
         every = len(rows) == logits.shape[0]  # no row copy (sampling_candidates copies)
-        probs, candidates = sampling_candidates(logits if every else logits[rows],
-                                                [r.params for r in requests])
+        probs, candidates, tied = sampling_candidates(logits if every else logits[rows],
+                                                      [r.params for r in requests])
+        if tied is not None and bool(tied.any()) and not bool(tied.all()):
+            # Some rows' k-th logit ties the next one: they keep every tied token (whole
+            # rows), the others their k candidates; each part alone, as it would run alone.
+            picked = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            for part in (tied, ~tied):
+                at = part.nonzero().squeeze(1).tolist()
+                picked[at] = self._draw(logits, [rows[i] for i in at],
+                                        [requests[i] for i in at])
+            return picked
         uniforms = torch.cat([
             torch.rand(1, dtype=torch.float64, generator=r.generator or self.generator)
             for r in requests])
@@ -160,7 +169,7 @@ def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution sampled rows draw from: top-n-σ → temperature → top-k → min-p →
     softmax → top-p (renormalized), over the whole vocabulary."""
-    probs, tokens = sampling_candidates(logits, params)
+    probs, tokens, _ = sampling_candidates(logits, params)
     return probs if tokens is None else torch.zeros_like(logits).scatter_(1, tokens, probs)
 
 
@@ -168,7 +177,9 @@ def sampling_candidates(logits: torch.Tensor, params: list[SamplingParams]
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sampling_probs`' distribution, and None; or, when every row has top-k set, only over
     each row's candidates: probabilities [N, K] and their token ids [N, K] (K the largest
-    top_k), so the steps after top-k read K values a row instead of the vocabulary."""
+    top_k), so the steps after top-k read K values a row instead of the vocabulary. Third:
+    which rows' k-th logit ties the next one (those keep every tied token, so the rows stay
+    whole), or None where some row has no top-k."""
     temps = [p.temperature for p in params]
     sigmas = [p.top_n_sigma for p in params]
     scaled = any(t != 1.0 for t in temps)
@@ -182,9 +193,9 @@ def sampling_candidates(logits: torch.Tensor, params: list[SamplingParams]
         work = _apply_top_n_sigma(logits.clone(), sigmas)
         if scaled:
             work.div_(temps_t)
-    work, tokens = _apply_top_k(work, [p.top_k for p in params])
+    work, tokens, tied = _apply_top_k(work, [p.top_k for p in params])
     _apply_min_p(work, [p.min_p for p in params])
-    return _apply_top_p(_softmax_(work), [p.top_p for p in params]), tokens
+    return _apply_top_p(_softmax_(work), [p.top_p for p in params]), tokens, tied
 
 
 def _softmax_(x: torch.Tensor) -> torch.Tensor:
@@ -455,23 +466,26 @@ def _apply_top_n_sigma(logits: torch.Tensor, ns: list[float]) -> torch.Tensor:
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Keep each row's top_k largest logits (and any tied with the k-th). With top-k on every
-    row: the K = max(top_k) largest logits of each row and their token ids, the rest of the
-    vocabulary gone; else the full rows (edited in place) and None. Where the (K+1)-th value
-    of a row ties its k-th (tied tokens beyond the K), the full rows."""
+    row and no row's k-th value tied with the next: the K = max(top_k) largest logits of each
+    row and their token ids, the rest of the vocabulary gone; else the full rows (edited in
+    place) and None. Third: which rows have that tie (None where some row has no top-k)."""
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
     if all(k == vocab for k in ks):
-        return logits, None
+        return logits, None, None
     k_t = torch.tensor(ks, device=logits.device).unsqueeze(1)
     most = max(ks)
     values, tokens = logits.topk(min(most + 1, vocab), dim=-1)
     kth = values.gather(1, k_t - 1)
-    if most < vocab and not bool((values[:, most:] == kth).any()):
+    if most == vocab:  # some row without top-k: whole rows
+        return logits.masked_fill_(logits < kth, _NEG_INF), None, None
+    tied = (values[:, most:] == kth).squeeze(1)
+    if not bool(tied.any()):
         values = values[:, :most].contiguous()
-        return values.masked_fill_(values < kth, _NEG_INF), tokens[:, :most].contiguous()
-    return logits.masked_fill_(logits < kth, _NEG_INF), None
+        return values.masked_fill_(values < kth, _NEG_INF), tokens[:, :most].contiguous(), tied
+    return logits.masked_fill_(logits < kth, _NEG_INF), None, tied
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:

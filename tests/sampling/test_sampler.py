@@ -225,6 +225,30 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     torch.testing.assert_close(probs, theirs)
 
 
+def test_a_row_whose_kth_logit_ties_leaves_its_batch_mates_draws_alone():
+    # Row "tie": five tokens share the top logit, so top_k 2 keeps all five (the whole-row
+    # path); row "plain" keeps its 2 candidates. Each seeded row draws what it draws alone.
+    gen = torch.Generator().manual_seed(8)
+    plain = torch.randn(300, generator=gen)
+    tie = torch.randn(300, generator=gen)
+    tie[:5] = 10.0
+
+    def draws(rows: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        reqs = [make_req([1], rid=name, top_k=2, seed=sum(map(ord, name))) for name in rows]
+        sampler, out = Sampler(), {name: [] for name in rows}
+        for _ in range(40):
+            tokens = sampler(torch.stack(list(rows.values())), reqs).token_ids
+            for name, t in zip(rows, tokens, strict=True):
+                out[name].append(t)
+        return out
+
+    together = draws({"plain": plain, "tie": tie})
+    assert together["plain"] == draws({"plain": plain})["plain"]
+    assert together["tie"] == draws({"tie": tie})["tie"]
+    assert set(together["tie"]) == {0, 1, 2, 3, 4}
+    assert set(together["plain"]) <= set(plain.topk(2).indices.tolist())
+
+
 def test_inverse_cdf_draw_picks_only_tokens_with_mass():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0],
                           [0.0, 0.25, 0.0, 0.75, 0.0],

@@ -459,7 +459,7 @@ MET_INLINE void store_q8(vint8 r, int8_t* q, int64_t n) {
   const vchar32 b = __builtin_shuffle(bytes, vchar32{0, 4, 8, 12, 16, 20, 24, 28});
 #endif
   if (n == 8) {
-    std::memcpy(q, &b, 8);
+    std::memcpy(q, &b, 8);  // whole: one fixed-size store
   } else {
     std::memcpy(q, &b, n);
   }
@@ -724,23 +724,25 @@ float top_p_select(std::vector<float>& buf, double above, double top_p) {
 // keeps everything (0).
 constexpr int kTopPBucketShift = 18;
 
+inline uint32_t top_p_bucket(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits >> kTopPBucketShift;
+}
+
 float top_p_threshold_row(const float* p, int64_t V, double top_p, std::vector<double>& mass,
                           std::vector<float>& buf) {
   mass.assign(size_t{1} << (31 - kTopPBucketShift), 0.0);
   for (int64_t i = 0; i < V; ++i) {
     if (!(p[i] >= 0.0f)) return 0.0f;  // NaN (or a negative value: not probabilities)
-    uint32_t bits;
-    std::memcpy(&bits, p + i, sizeof(bits));
-    mass[bits >> kTopPBucketShift] += p[i];
+    mass[top_p_bucket(p[i])] += p[i];
   }
   double above = 0.0;
   int64_t bucket = static_cast<int64_t>(mass.size()) - 1;
   for (; bucket > 0 && above + mass[bucket] < top_p; --bucket) above += mass[bucket];
   buf.clear();
   for (int64_t i = 0; i < V; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, p + i, sizeof(bits));
-    if (static_cast<int64_t>(bits >> kTopPBucketShift) == bucket) buf.push_back(p[i]);
+    if (static_cast<int64_t>(top_p_bucket(p[i])) == bucket) buf.push_back(p[i]);
   }
   return buf.empty() ? 0.0f : top_p_select(buf, above, top_p);
 }
