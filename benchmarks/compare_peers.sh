@@ -9,6 +9,7 @@
 # vLLM loads a bf16 HF directory converted from the same GGUF (done here if missing).
 #
 # Settings (environment): CONCURRENCY (1,4,16,32,64) ISL (110) OSL (128) REPS (1) WARMUP (2)
+# TEMPERATURE (0: greedy), TOP_P (1), TOP_K (0: off): every engine gets the same sampling
 # ENGINES ("met llama-server vllm"; also met-auto (--dtype auto --quantization auto: what
 # `met serve` picks on this machine), met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, and
 # any met engine with -kv8 appended for --kv-cache-dtype int8, e.g. met-w4a8-kv8)
@@ -23,6 +24,9 @@ ISL=${ISL:-110}
 OSL=${OSL:-128}
 REPS=${REPS:-1}
 WARMUP=${WARMUP:-2}
+TEMPERATURE=${TEMPERATURE:-0}
+TOP_P=${TOP_P:-1}
+TOP_K=${TOP_K:-0}
 ENGINES=${ENGINES:-met llama-server vllm}
 MET_DTYPE=${MET_DTYPE:-bfloat16}
 LLAMA_SLOTS=${LLAMA_SLOTS:-32}
@@ -98,7 +102,7 @@ for engine in $ENGINES; do
   echo "+ met bench sweep $engine"
   "$PY" -m met.cli bench sweep --url "http://127.0.0.1:$port" --label "$engine" \
     --concurrency "$CONCURRENCY" --isl "$ISL" --osl "$OSL" --reps "$REPS" --warmup "$WARMUP" \
-    --out "$OUT/$engine.json"
+    --temperature "$TEMPERATURE" --top-p "$TOP_P" --top-k "$TOP_K" --out "$OUT/$engine.json"
   files+=("$OUT/$engine.json")
   stop_server
 done

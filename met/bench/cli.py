@@ -36,7 +36,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     settings = SweepSettings(concurrency=args.concurrency, isl=args.isl, osl=args.osl,
                              reps=args.reps, warmup=args.warmup, seed=args.seed,
-                             timeout=args.timeout)
+                             timeout=args.timeout, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k)
 
     async def go():
         model = args.model
@@ -142,6 +143,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sw.add_argument("--warmup", type=int, default=1, help="unmeasured requests first")
     sw.add_argument("--seed", type=int, default=0, help="prompt seed")
     sw.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    sw.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (default); else every request samples with it")
+    sw.add_argument("--top-p", type=float, default=1.0, help="sent when < 1 and sampling")
+    sw.add_argument("--top-k", type=int, default=0, help="sent when > 0 and sampling")
     sw.add_argument("--api-key", default=None)
     sw.add_argument("--no-ignore-eos", action="store_true",
                     help="do not send ignore_eos (for servers that reject it)")

@@ -31,6 +31,9 @@ class SweepSettings:
     warmup: int = 1  # unmeasured requests before the ladder
     seed: int = 0  # prompts are the same for the same seed
     timeout: float = 600.0  # per request, seconds
+    temperature: float = 0.0  # 0: greedy; else the requests sample (with top_p / top_k)
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off (not sent)
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -43,6 +46,21 @@ class SweepSettings:
             raise ValueError(f"--warmup: must be >= 0, got {self.warmup}")
         if self.timeout <= 0:
             raise ValueError(f"--timeout: must be > 0, got {self.timeout}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k: must be >= 0, got {self.top_k}")
+
+    def sampling(self) -> dict[str, Any]:
+        """The request fields for the sampling settings (greedy sends temperature 0 only)."""
+        fields: dict[str, Any] = {"temperature": self.temperature}
+        if self.temperature > 0 and self.top_p < 1:
+            fields["top_p"] = self.top_p
+        if self.temperature > 0 and self.top_k > 0:
+            fields["top_k"] = self.top_k
+        return fields
 
 
 @dataclass
@@ -124,14 +142,14 @@ async def run_sweep(target: Target, settings: SweepSettings, label: str | None =
         result.prompt_shape = shape
         if settings.warmup:
             prompts = prompt_set(shape, settings.isl, settings.warmup, seed=settings.seed + 997)
-            bodies = [target.body(p, settings.osl) for p in prompts]
+            bodies = [target.body(p, settings.osl, **settings.sampling()) for p in prompts]
             with Progress(len(bodies), "warmup", progress_stream) as bar:
                 await run_batch(client, target, bodies, max(settings.concurrency),
                                 settings.timeout, bar)
         for rung, c in enumerate(settings.concurrency):
             n = c * settings.reps
             prompts = prompt_set(shape, settings.isl, n, seed=settings.seed * 7919 + rung + 1)
-            bodies = [target.body(p, settings.osl) for p in prompts]
+            bodies = [target.body(p, settings.osl, **settings.sampling()) for p in prompts]
             with Progress(n, f"concurrency {c:>3}", progress_stream) as bar:
                 results, wall = await run_batch(client, target, bodies, c, settings.timeout,
                                                 bar)

@@ -92,6 +92,18 @@ def test_requests_carry_ignore_eos_usage_option_and_distinct_prompts(fake):
     assert all(abs(len(b["prompt"].split()) + OVERHEAD - 20) <= 1 for b in streamed)
 
 
+def test_sweeps_decode_greedily_unless_told_to_sample(fake):
+    _sweep(fake)
+    greedy = [b for b in fake.behaviour.bodies if b.get("stream")]
+    assert all(b["temperature"] == 0.0 and "top_p" not in b and "top_k" not in b
+               for b in greedy)
+    fake.behaviour.bodies.clear()
+    _sweep(fake, temperature=0.8, top_p=0.95, top_k=40)
+    sampled = [b for b in fake.behaviour.bodies if b.get("stream")]
+    assert len(sampled) == 8
+    assert all((b["temperature"], b["top_p"], b["top_k"]) == (0.8, 0.95, 40) for b in sampled)
+
+
 def test_without_usage_tokens_are_counted_from_chunks(fake):
     rung = _sweep(fake, model="fake-no-usage").rungs[0]
     assert rung.errors == 0
@@ -130,3 +142,5 @@ def test_bad_flags_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "sweep", "--concurrency", "a,b"])
     assert "not a comma list of integers" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--temperature", "0.8", "--top-p", "0"]) == 2
+    assert "--top-p" in capsys.readouterr().err
