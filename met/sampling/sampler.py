@@ -174,7 +174,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def sampling_candidates(logits: torch.Tensor, params: list[SamplingParams]
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`sampling_probs`' distribution, and None; or, when every row has top-k set, only over
     each row's candidates: probabilities [N, K] and their token ids [N, K] (K the largest
     top_k), so the steps after top-k read K values a row instead of the vocabulary. Third:
@@ -194,14 +194,10 @@ def sampling_candidates(logits: torch.Tensor, params: list[SamplingParams]
         if scaled:
             work.div_(temps_t)
     work, tokens, tied = _apply_top_k(work, [p.top_k for p in params])
-    _apply_min_p(work, [p.min_p for p in params])
-    return _apply_top_p(_softmax_(work), [p.top_p for p in params]), tokens, tied
-
-
-def _softmax_(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension, in place."""
-    x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
-    return x.div_(x.sum(dim=-1, keepdim=True))
+    work.sub_(work.amax(dim=-1, keepdim=True)).exp_()  # softmax in place: the most likely 1,
+    _apply_min_p(work, [p.min_p for p in params])  # min-p on these,
+    work.div_(work.sum(dim=-1, keepdim=True))  # then normalized
+    return _apply_top_p(work, [p.top_p for p in params]), tokens, tied
 
 
 def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -488,14 +484,20 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]
     return logits.masked_fill_(logits < kth, _NEG_INF), None, tied
 
 
-def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
-    """Keep tokens with p >= min_p · p_max, i.e. logit >= max + log(min_p)."""
-    if all(p <= 0 for p in min_ps):
-        return logits
-    log_p = torch.tensor([math.log(p) if p > 0 else _NEG_INF for p in min_ps],
-                         device=logits.device).unsqueeze(1)
-    threshold = logits.amax(dim=-1, keepdim=True) + log_p
-    return logits.masked_fill_(logits < threshold, _NEG_INF)
+def _apply_min_p(relative: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Keep tokens with p >= min_p · p_max, on ``relative`` = p / p_max (exp(logit - max)),
+    in place: one threshold pass per distinct min_p (a compare and a masked fill over the
+    logits took ~3 ms for 64 rows of a 49k vocabulary, and exp then ran slower on -inf)."""
+    for value in sorted({p for p in min_ps if p > 0}):
+        # The float32 just below min_p: `relative > below` is `relative >= min_p`.
+        below = float(torch.nextafter(torch.tensor(value, dtype=torch.float32),
+                                      torch.tensor(0.0)))
+        rows = [i for i, p in enumerate(min_ps) if p == value]
+        if len(rows) == len(min_ps):
+            F.threshold(relative, below, 0.0, inplace=True)
+        else:
+            relative[rows] = F.threshold(relative[rows], below, 0.0)
+    return relative
 
 
 def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
