@@ -443,7 +443,7 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def _apply_top_n_sigma(logits: torch.Tensor, ns: list[float]) -> torch.Tensor:
     """Keep tokens whose logit is within n population standard deviations of the row's max
-    (statistics over the tokens still allowed). The filters edit ``logits`` in place."""
+    (statistics over the tokens still allowed), in place."""
     if all(n <= 0 for n in ns):
         return logits
     n_t = torch.tensor([n if n > 0 else math.inf for n in ns],
