@@ -12,8 +12,9 @@ from met.config import EngineConfig
 from met.loader.model_loader import LoadedModel, load_model
 from met.runner.model_runner import ModelRunner, kv_bytes_per_block
 from met.sampling.grammar import GrammarCompiler
+from met.sampling.logit_edits import dry_breaker_ids
 from met.sampling.params import SamplingParams
-from met.sampling.sampler import Sampler, dry_breaker_ids
+from met.sampling.sampler import Sampler
 from met.sampling.thinking import ThinkingState
 from met.scheduler.request import Request
 from met.scheduler.scheduler import Scheduler

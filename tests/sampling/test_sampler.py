@@ -15,14 +15,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from met.sampling.distribution import _top_p_threshold, inverse_cdf_draw, sampling_probs
+from met.sampling.logit_edits import dry_breaker_ids, process_logits
 from met.sampling.params import SamplingParams
-from met.sampling.sampler import (
-    Sampler,
-    dry_breaker_ids,
-    inverse_cdf_draw,
-    process_logits,
-    sampling_probs,
-)
+from met.sampling.sampler import Sampler
 from met.scheduler.request import Request
 
 V = 50
@@ -196,7 +192,6 @@ def test_top_p_and_top_k_on_a_large_vocabulary_match_transformers_row_by_row():
 def test_native_top_p_cut_matches_the_definition_and_the_torch_path():
     # Flat, peaked and tied rows; the cut is min{v : mass of tokens above v < top_p}.
     from met.layers import fused_ops
-    from met.sampling.sampler import _top_p_threshold
     gen = torch.Generator().manual_seed(7)
     rows = [torch.randn(5000, generator=gen) * 0.05, torch.randn(5000, generator=gen) * 5,
             torch.randint(0, 4, (5000,), generator=gen).float(), torch.zeros(5000)]
