@@ -2,12 +2,12 @@
 
     python benchmarks/quality.py [--model PATH] [--paths 0,9]
 
-For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, + w8a8, + w4a8, and
-with the int8 KV cache: float32, bfloat16, w4a8; float32 + w4a8, auto's pick on CPUs without
-native bfloat16, with its float32 and (auto's) int8 KV cache; --paths: indices into PATHS, the reference first) over a fixed English
-text (this file's TEXT, ~230 tokens): perplexity from prompt logprobs, the largest and mean
-|Δ logprob| of the text's tokens against float32, and whether greedy answers to fixed chat
-prompts match float32's. Prints one JSON line per path.
+For each path (float32, bfloat16, bfloat16 + int8 or int4 weight-only, + w8a8, + w4a8, and with
+the int8 KV cache: float32, bfloat16, w4a8; float32 + w4a8, auto's pick on CPUs without native
+bfloat16, with its float32 and (auto's) int8 KV cache; --paths: indices into PATHS, the
+reference first) over a fixed English text (this file's TEXT, ~230 tokens): perplexity from
+prompt logprobs, the largest and mean |Δ logprob| of the text's tokens against float32, and
+whether greedy answers to fixed chat prompts match float32's. Prints one JSON line per path.
 """
 
 from __future__ import annotations

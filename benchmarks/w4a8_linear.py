@@ -7,11 +7,12 @@ head (49,152×576), at several row counts.
         [--amx-min-rows N] [--float32]
 
 Weights are random (the kernel's speed does not depend on their values); activations are
-bfloat16 (--float32: float32, what a model runs with on a CPU without native bfloat16). Each row count times the four projections back to back, five times in a row
-(cache-hot: one layer's weights are ~2 MB), then the head (its 28 MB come from memory), best
-of --reps each. By default the tiles stay off (--amx-min-rows above every row count), so the
-VNNI path is what is timed on any CPU; --amx-min-rows 32 times what the engine runs on an AMX
-CPU. Prints one JSON line per row count: layer_ms, layer_gmacs, head_ms, head_gmacs.
+bfloat16 (--float32: float32, what a model runs with on a CPU without native bfloat16). Each
+row count times the four projections back to back, five times in a row (cache-hot: one layer's
+weights are ~2 MB), then the head (its 28 MB come from memory), best of --reps each. By default
+the tiles stay off (--amx-min-rows above every row count), so the VNNI path is what is timed on
+any CPU; --amx-min-rows 32 times what the engine runs on an AMX CPU. Prints one JSON line per
+row count: layer_ms, layer_gmacs, head_ms, head_gmacs.
 """
 
 from __future__ import annotations
