@@ -10,7 +10,8 @@ are as many passes over the activations. These ops do each chain in one call:
   greedy pick; torch's CPU argmax reads [64, 49152] logits ~8x slower);
 - ``top_p_threshold(probs, top_p)``: per float32 row the smallest probability nucleus
   sampling keeps (a weighted quickselect, O(V): a sort or a widening torch.topk costs ~2 ms
-  a row on a 49k vocabulary when the nucleus is wide);
+  a row on a 49k vocabulary when the nucleus is wide), and ``top_p_cut_(probs, top_p)``,
+  which also zeroes the values below it in place;
 - ``rope_qkv_to_cache(qkv, positions, cos, sin, kv, slots, H, Hkv) -> q``: rope on the q
   and k heads of the fused projection, rotated keys and the values written to their cache
   slots (an int8 `KVCache` gets each row quantized as `kv_cache.quantize_rows` does it, bit
@@ -33,7 +34,7 @@ import torch
 from met.layers.kv_cache import KVCache
 from met.layers.native import load_native_ops, native_op
 
-NAME = "met_fused_ops_v13"
+NAME = "met_fused_ops_v14"
 
 
 def _ops():
@@ -73,6 +74,16 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | 
     native = probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
     op = _op("top_p_threshold") if native and probs.shape[1] > 0 else None
     return None if op is None else op(probs.contiguous(), top_p.to(torch.float64).contiguous())
+
+
+def top_p_cut_(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Top-p's cut in place: each row's probabilities below its `top_p_threshold` set to 0
+    (the thresholds returned); None, ``probs`` untouched, where the kernels do not run (also
+    for a non-contiguous ``probs``, which the op cannot edit in place)."""
+    native = (probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
+              and probs.is_contiguous())
+    op = _op("top_p_cut_") if native and probs.shape[1] > 0 else None
+    return None if op is None else op(probs, top_p.to(torch.float64).contiguous())
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

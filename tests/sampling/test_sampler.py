@@ -190,23 +190,58 @@ def test_top_p_and_top_k_on_a_large_vocabulary_match_transformers_row_by_row():
 
 
 def test_native_top_p_cut_matches_the_definition_and_the_torch_path():
-    # Flat, peaked and tied rows; the cut is min{v : mass of tokens above v < top_p}.
+    # Flat, peaked and tied rows; the cut is min{v : mass of tokens above v < top_p}. The
+    # native search first counts only values >= (1 - top_p) / 2V (a language model's long tail
+    # of tiny probabilities is skipped): the long-tailed row takes that path.
     from met.layers import fused_ops
     gen = torch.Generator().manual_seed(7)
+    long_tail = torch.randn(5000, generator=gen) * 2
+    long_tail[torch.randperm(5000, generator=gen)[:20]] += 15.0
     rows = [torch.randn(5000, generator=gen) * 0.05, torch.randn(5000, generator=gen) * 5,
-            torch.randint(0, 4, (5000,), generator=gen).float(), torch.zeros(5000)]
+            torch.randint(0, 4, (5000,), generator=gen).float(), torch.zeros(5000), long_tail]
     rows[3][17] = 1.0  # one token holds all the mass
     probs = torch.softmax(torch.stack(rows), dim=-1)
     probs[3] = torch.where(probs[3] > 0.5, 1.0, 0.0)
+    n = len(rows)
+    assert int((probs[4] < 0.001 / (2 * 5000)).sum()) > 4000  # most of the tail is skipped
     for top_p in (0.05, 0.5, 0.9, 0.999):
-        p_t = torch.full((4,), top_p, dtype=torch.float64)
+        p_t = torch.full((n,), top_p, dtype=torch.float64)
         native = fused_ops.top_p_threshold(probs, p_t)
         assert native is not None
-        for i in range(4):
+        for i in range(n):
             values = probs[i].double()
             want = min(v for v in set(values.tolist()) if float(values[values > v].sum()) < top_p)
             assert float(native[i]) == pytest.approx(want, rel=0, abs=0), (i, top_p)
         torch.testing.assert_close(_top_p_threshold(probs, p_t), native, rtol=0, atol=0)
+        cut = probs.clone()
+        assert torch.equal(fused_ops.top_p_cut_(cut, p_t), native)  # in place, same cut
+        assert torch.equal(cut, probs.masked_fill(probs < native.unsqueeze(1), 0.0))
+
+
+def test_native_top_p_cut_of_a_row_whose_tail_holds_the_cut():
+    # 0.87 on one token and 4999 tokens of 9.98e-6 (below the skipped tail's bound 1e-5 at
+    # top_p 0.9): the nucleus runs into the tail, so the search over every value decides.
+    from met.layers import fused_ops
+    probs = torch.full((1, 5000), 0.0499 / 4999)
+    probs[0, 123] = 0.87
+    for top_p, want in ((0.5, float(probs[0, 123])), (0.9, float(probs[0, 0]))):
+        p_t = torch.tensor([top_p], dtype=torch.float64)
+        assert float(fused_ops.top_p_threshold(probs, p_t)[0]) == want
+        assert float(_top_p_threshold(probs, p_t)[0]) == want
+
+
+def test_native_top_p_keeps_every_token_of_a_nan_row_and_needs_a_contiguous_row():
+    from met.layers import fused_ops
+    probs = torch.softmax(torch.randn(3, 300, generator=torch.Generator().manual_seed(1)), -1)
+    probs[1, 7] = float("nan")
+    p_t = torch.full((3,), 0.5, dtype=torch.float64)
+    cut = probs.clone()
+    thresholds = fused_ops.top_p_cut_(cut, p_t)
+    assert float(thresholds[1]) == 0.0 and torch.equal(cut[1].nan_to_num(), probs[1].nan_to_num())
+    assert int((cut[0] > 0).sum()) < 300 and int((cut[2] > 0).sum()) < 300
+    strided = probs.t().contiguous().t()  # same values, not contiguous: not edited in place
+    assert fused_ops.top_p_cut_(strided, p_t) is None
+    assert torch.equal(strided.nan_to_num(), probs.nan_to_num())
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
