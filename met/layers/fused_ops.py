@@ -67,12 +67,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _op("silu_mul")(gate_up)
 
 
+def _top_p_op(name: str, probs: torch.Tensor):
+    """The native top-p op `name` for float32 CPU rows [T, V > 0], or None."""
+    native = (probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
+              and probs.shape[1] > 0)
+    return _op(name) if native else None
+
+
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
     """Per row of float32 CPU ``probs`` [T, V], the smallest probability top-p sampling
     keeps: min{v : mass of the tokens above v < top_p} (``top_p`` float64 [T]); None where
     the kernels do not run (another device or dtype, no compiler)."""
-    native = probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
-    op = _op("top_p_threshold") if native and probs.shape[1] > 0 else None
+    op = _top_p_op("top_p_threshold", probs)
     return None if op is None else op(probs.contiguous(), top_p.to(torch.float64).contiguous())
 
 
@@ -80,9 +86,7 @@ def top_p_cut_(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
     """Top-p's cut in place: each row's probabilities below its `top_p_threshold` set to 0
     (the thresholds returned); None, ``probs`` untouched, where the kernels do not run (also
     for a non-contiguous ``probs``, which the op cannot edit in place)."""
-    native = (probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
-              and probs.is_contiguous())
-    op = _op("top_p_cut_") if native and probs.shape[1] > 0 else None
+    op = _top_p_op("top_p_cut_", probs) if probs.is_contiguous() else None
     return None if op is None else op(probs, top_p.to(torch.float64).contiguous())
 
 

@@ -725,7 +725,7 @@ float top_p_select(std::vector<float>& buf, double above, double top_p) {
 // values' top bits (exponent and 5 mantissa bits: monotone for floats >= 0), from the top
 // down to the bucket where the mass reaches top_p; only that bucket's values (a 32nd of an
 // octave) go through the quickselect: O(V) with small constants instead of a sort. A NaN
-// keeps everything (0).
+// keeps everything (0); negative values are no probabilities and count as tiny ones.
 constexpr int kTopPBucketShift = 18;
 
 inline uint32_t top_p_bucket(float v) {
@@ -809,7 +809,7 @@ bool top_p_search(const float* p, int64_t V, double top_p, float floor, TopPScra
   uint32_t largest = 0;  // the largest value's bits (monotone for floats >= 0)
   const bool probabilities = for_flagged(scratch.flags, [&](int64_t i) {
     const float v = p[i];
-    if (!(v >= 0.0f)) return false;  // NaN (or a negative value: not probabilities)
+    if (std::isnan(v)) return false;  // (values below floor, negative ones too, are not here)
     uint32_t bits;
     std::memcpy(&bits, &v, sizeof(bits));
     mass[bits >> kTopPBucketShift] += v;
@@ -845,15 +845,6 @@ float top_p_threshold_row(const float* p, int64_t V, double top_p, TopPScratch& 
   return cut;
 }
 
-void check_top_p_args(const char* op, const at::Tensor& probs, const at::Tensor& top_p) {
-  TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 &&
-                  probs.is_contiguous() && probs.size(1) > 0,
-              op, ": probs must be a contiguous non-empty 2-D float32 CPU tensor");
-  TORCH_CHECK(top_p.device().is_cpu() && top_p.scalar_type() == at::kDouble &&
-                  top_p.is_contiguous() && top_p.numel() == probs.size(0),
-              op, ": top_p must be a contiguous float64 CPU tensor, one per row");
-}
-
 // Each row's threshold into out[r]; with `cut` (p itself, or null), the row's values below it
 // set to 0 too, while the row is in cache (a separate masked fill over [64, 49152] took ~4 ms).
 void top_p_rows(const float* p, const double* tp, float* out, int64_t T, int64_t V, float* cut) {
@@ -870,20 +861,27 @@ void top_p_rows(const float* p, const double* tp, float* out, int64_t T, int64_t
   });
 }
 
-at::Tensor top_p_threshold(const at::Tensor& probs, const at::Tensor& top_p) {
-  check_top_p_args("top_p_threshold", probs, top_p);
+// The two ops' checks and call: the thresholds, and with `cut` the rows cut in place.
+at::Tensor top_p_op(const char* op, const at::Tensor& probs, const at::Tensor& top_p, bool cut) {
+  TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 &&
+                  probs.is_contiguous() && probs.size(1) > 0,
+              op, ": probs must be a contiguous non-empty 2-D float32 CPU tensor");
+  TORCH_CHECK(top_p.device().is_cpu() && top_p.scalar_type() == at::kDouble &&
+                  top_p.is_contiguous() && top_p.numel() == probs.size(0),
+              op, ": top_p must be a contiguous float64 CPU tensor, one per row");
   at::Tensor out = at::empty({probs.size(0)}, probs.options());
-  top_p_rows(probs.data_ptr<float>(), top_p.data_ptr<double>(), out.data_ptr<float>(),
-             probs.size(0), probs.size(1), nullptr);
+  float* p = probs.data_ptr<float>();
+  top_p_rows(p, top_p.data_ptr<double>(), out.data_ptr<float>(), probs.size(0), probs.size(1),
+             cut ? p : nullptr);
   return out;
 }
 
+at::Tensor top_p_threshold(const at::Tensor& probs, const at::Tensor& top_p) {
+  return top_p_op("top_p_threshold", probs, top_p, false);
+}
+
 at::Tensor top_p_cut_(const at::Tensor& probs, const at::Tensor& top_p) {
-  check_top_p_args("top_p_cut_", probs, top_p);
-  at::Tensor out = at::empty({probs.size(0)}, probs.options());
-  top_p_rows(probs.data_ptr<float>(), top_p.data_ptr<double>(), out.data_ptr<float>(),
-             probs.size(0), probs.size(1), probs.data_ptr<float>());
-  return out;
+  return top_p_op("top_p_cut_", probs, top_p, true);
 }
 
 }  // namespace
