@@ -239,6 +239,10 @@ def test_native_top_p_keeps_every_token_of_a_nan_row_and_needs_a_contiguous_row(
     thresholds = fused_ops.top_p_cut_(cut, p_t)
     assert float(thresholds[1]) == 0.0 and torch.equal(cut[1].nan_to_num(), probs[1].nan_to_num())
     assert int((cut[0] > 0).sum()) < 300 and int((cut[2] > 0).sum()) < 300
+    zeros = torch.tensor([[0.5, -0.0, 0.3, 0.0, 0.2] + [0.0] * 59])  # -0.0 and 0.0: no mass
+    for top_p, want in ((0.4, 0.5), (0.6, 0.3), (0.9, 0.2)):
+        got = fused_ops.top_p_threshold(zeros, torch.tensor([top_p], dtype=torch.float64))
+        assert float(got[0]) == pytest.approx(want, rel=1e-7), top_p
     strided = probs.t().contiguous().t()  # same values, not contiguous: not edited in place
     assert fused_ops.top_p_cut_(strided, p_t) is None
     assert torch.equal(strided.nan_to_num(), probs.nan_to_num())

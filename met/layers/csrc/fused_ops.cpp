@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -735,6 +736,7 @@ inline uint32_t top_p_bucket(float v) {
 }
 
 constexpr int64_t kTopPBuckets = int64_t{1} << (31 - kTopPBucketShift);
+constexpr float kSmallestFloat = std::numeric_limits<float>::denorm_min();
 
 // Bit i % 64 of flags[i / 64] = whether value i of row p [V] is not below floor (a NaN
 // counts), so that the passes after it touch only those values: on AVX2 one compare and one
@@ -794,11 +796,12 @@ MET_INLINE bool for_flagged(const std::vector<uint64_t>& flags, F&& f) {
   return true;
 }
 
-// The search over the values >= floor only (all of them for floor 0). Those are counted
-// whole, so the masses of the buckets above floor's are exact, and the result is the search
-// over every value whenever it comes out >= floor (only values below a cut decide about it);
-// it is discarded (false) otherwise. A peaked row's long tail of tiny probabilities, most of
-// it, is then never summed.
+// The search over the values >= floor only (floor: the smallest positive float for every
+// value with mass; zeros, -0 and negative values never count). Those are counted whole, so
+// the masses of the buckets above floor's are exact, and the result is the search over every
+// value whenever it comes out >= floor (only values below a cut decide about it); it is
+// discarded (false) otherwise. A peaked row's long tail of tiny probabilities, most of it,
+// is then never summed.
 bool top_p_search(const float* p, int64_t V, double top_p, float floor, TopPScratch& scratch,
                   float* cut) {
   std::vector<double>& mass = scratch.mass;
@@ -812,6 +815,7 @@ bool top_p_search(const float* p, int64_t V, double top_p, float floor, TopPScra
     if (std::isnan(v)) return false;  // (values below floor, negative ones too, are not here)
     uint32_t bits;
     std::memcpy(&bits, &v, sizeof(bits));
+    bits &= 0x7FFFFFFFu;  // (a -0 where denormals read as zero: the buckets are for v >= 0)
     mass[bits >> kTopPBucketShift] += v;
     largest = std::max(largest, bits);
     return true;
@@ -829,7 +833,7 @@ bool top_p_search(const float* p, int64_t V, double top_p, float floor, TopPScra
     return true;
   });
   *cut = buf.empty() ? 0.0f : top_p_select(buf, above, top_p);
-  return floor == 0.0f || (!buf.empty() && *cut >= floor);
+  return floor == kSmallestFloat || (!buf.empty() && *cut >= floor);
 }
 
 // In a normalized row the values below (1 - top_p) / 2V hold at most (1 - top_p) / 2, so the
@@ -839,8 +843,8 @@ bool top_p_search(const float* p, int64_t V, double top_p, float floor, TopPScra
 float top_p_threshold_row(const float* p, int64_t V, double top_p, TopPScratch& scratch) {
   float cut = 0.0f;
   const float floor = static_cast<float>((1.0 - top_p) / (2.0 * static_cast<double>(V)));
-  if (!top_p_search(p, V, top_p, floor, scratch, &cut)) {
-    top_p_search(p, V, top_p, 0.0f, scratch, &cut);
+  if (!top_p_search(p, V, top_p, std::max(floor, kSmallestFloat), scratch, &cut)) {
+    top_p_search(p, V, top_p, kSmallestFloat, scratch, &cut);
   }
   return cut;
 }
