@@ -45,6 +45,22 @@ def _index(rows: list[int], cols: list[int], device: torch.device
     return (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
 
 
+def _add_to_logits(logits: torch.Tensor, requests: list[Request], additions) -> None:
+    """logits[i, t] += a for every (t, a) of additions(request i): one scatter-add for the
+    whole batch (LZ, DRY and logit_bias touch a few tokens per row)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    amounts: list[float] = []
+    for i, r in enumerate(requests):
+        for t, a in additions(r):
+            rows.append(i)
+            cols.append(t)
+            amounts.append(a)
+    if rows:
+        logits.index_put_(_index(rows, cols, logits.device),
+                          torch.tensor(amounts, device=logits.device), accumulate=True)
+
+
 def _rows(requests: list[Request], active) -> list[int]:
     return [i for i, r in enumerate(requests) if active(r.params)]
 
@@ -135,19 +151,12 @@ def lz_counts(tokens: list[int]) -> dict[int, int]:
 
 
 def _apply_lz_penalty(logits: torch.Tensor, requests: list[Request]) -> None:
-    rows: list[int] = []
-    cols: list[int] = []
-    amounts: list[float] = []
-    for i, r in enumerate(requests):
+    def additions(r: Request) -> list[tuple[int, float]]:
         if r.params.lz_penalty == 0:
-            continue
-        for t, c in lz_counts(r.all_token_ids).items():
-            rows.append(i)
-            cols.append(t)
-            amounts.append(-r.params.lz_penalty * c)
-    if rows:
-        logits.index_put_(_index(rows, cols, logits.device),
-                          torch.tensor(amounts, device=logits.device), accumulate=True)
+            return []
+        return [(t, -r.params.lz_penalty * c) for t, c in lz_counts(r.all_token_ids).items()]
+
+    _add_to_logits(logits, requests, additions)
 
 
 DRY_MAX_MATCH = 50  # longer matches count as 50 (keeps base^m finite; as text-gen-webui)
@@ -193,21 +202,15 @@ def dry_match_lengths(tokens: list[int], breakers: frozenset[int]) -> dict[int, 
 
 
 def _apply_dry(logits: torch.Tensor, requests: list[Request]) -> None:
-    rows: list[int] = []
-    cols: list[int] = []
-    amounts: list[float] = []
-    for i, r in enumerate(requests):
+    def additions(r: Request) -> list[tuple[int, float]]:
         p = r.params
         if p.dry_multiplier == 0:
-            continue
-        for t, m in dry_match_lengths(r.all_token_ids, r.dry_breaker_ids).items():
-            if m >= p.dry_allowed_length:
-                rows.append(i)
-                cols.append(t)
-                amounts.append(-p.dry_multiplier * p.dry_base ** (m - p.dry_allowed_length))
-    if rows:
-        logits.index_put_(_index(rows, cols, logits.device),
-                          torch.tensor(amounts, device=logits.device), accumulate=True)
+            return []
+        return [(t, -p.dry_multiplier * p.dry_base ** (m - p.dry_allowed_length))
+                for t, m in dry_match_lengths(r.all_token_ids, r.dry_breaker_ids).items()
+                if m >= p.dry_allowed_length]
+
+    _add_to_logits(logits, requests, additions)
 
 
 def _apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -240,14 +243,4 @@ def _apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> N
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
-    rows: list[int] = []
-    cols: list[int] = []
-    biases: list[float] = []
-    for i, r in enumerate(requests):
-        for t, b in r.params.logit_bias or ():
-            rows.append(i)
-            cols.append(t)
-            biases.append(b)
-    if rows:
-        logits.index_put_(_index(rows, cols, logits.device),
-                          torch.tensor(biases, device=logits.device), accumulate=True)
+    _add_to_logits(logits, requests, lambda r: r.params.logit_bias or ())

@@ -54,13 +54,16 @@ class Sampler:
         logits = process_logits(logits, requests, copy=_has_structure(requests))
         dead_ends = _apply_structure(logits, requests)
 
-        tokens = fused_ops.argmax(logits)
         # Sampled rows go in groups of one top_k each: a row's arithmetic (how many candidates
         # it keeps) then depends on its own parameters only, never on its batch mates'.
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
             if not r.params.greedy:
                 groups.setdefault(r.params.top_k, []).append(i)
+        if sum(len(g) for g in groups.values()) < len(requests):
+            tokens = fused_ops.argmax(logits)  # the greedy rows' picks (a pass over every row)
+        else:  # every row samples: no argmax pass
+            tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for group in groups.values():
             tokens[group] = self._draw(logits, group, [requests[i] for i in group])
 
