@@ -11,7 +11,7 @@ each request's context out in consecutive 16-slot blocks (a fresh engine's alloc
 "shuffled-blocks" scatters the blocks over the cache (a long-running engine's). Per call
 the kernel reads each request's keys and values once (~8 MB here), so the cache is sized
 well past L2 and its lines are evicted between calls, as they would be across layers.
---kv-cache-dtype int8 stores the cache as int8 rows with a scale each (met.layers.kv_cache);
+--kv-cache-dtype int8 stores the cache as int8 rows with a scale each (met.kernels.kv_cache);
 max_err is then against the float32 reference on the dequantized rows. --layers N gives each
 of N layers its own cache and times one call per layer in turn (N = 30 is the embedded
 model's decode step: ~250 MB of keys and values at 64 requests, read from memory rather than
@@ -80,7 +80,7 @@ def time_per_call(fn, flush: torch.Tensor, iters: int, repeats: int, clock) -> f
 
 def _layer_cache(like, seed: int):
     """A cache shaped like ``like`` (float or int8) with its own random rows."""
-    from met.layers.kv_cache import KVCache, quantize_kv
+    from met.kernels.kv_cache import KVCache, quantize_kv
 
     g = torch.Generator().manual_seed(1000 + seed)
     k = torch.randn(like.k.shape, generator=g)
@@ -130,8 +130,8 @@ def main() -> None:
     if args.fresh_build:
         os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="met-ext-")
 
-    from met.layers import cpu_decode_attention as cda
-    from met.layers.kv_cache import KVCache, gather_kv, quantize_kv
+    from met.kernels import decode_attention as cda
+    from met.kernels.kv_cache import KVCache, gather_kv, quantize_kv
 
     q, k, v, slots, offsets = make_problem(args)
     scale = args.head_dim**-0.5

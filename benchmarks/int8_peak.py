@@ -1,4 +1,4 @@
-"""The ceiling the AVX2 w4a8 kernel (met/layers/csrc/w4a8_avx2.cpp) works under: how many
+"""The ceiling the AVX2 w4a8 kernel (met/kernels/csrc/w4a8_avx2.cpp) works under: how many
 int8 multiply-adds a second this CPU's cores issue in the kernel's own inner step, VPMADDUBSW
 (32 u8 × s8 products summed in pairs) then VPADDW into an int16 accumulator, with nothing
 else in the loop (six independent accumulators, all in registers, no loads), and the same

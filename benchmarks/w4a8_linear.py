@@ -1,4 +1,4 @@
-"""The w4a8 kernel (met/layers/csrc/w4a8.cpp with AVX512-VNNI, else w4a8_avx2.cpp) on one
+"""The w4a8 kernel (met/kernels/csrc/w4a8.cpp with AVX512-VNNI, else w4a8_avx2.cpp) on one
 decoder layer's four projections of the
 embedded model (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536) and on its 8-bit LM
 head (49,152×576), at several row counts.
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from met.layers.w4a8 import Int4Dynamic, Int8Blocks, available, kernel_isa
+from met.kernels.w4a8 import Int4Dynamic, Int8Blocks, available, kernel_isa
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 VOCAB, HIDDEN = 49152, 576

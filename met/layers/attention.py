@@ -1,6 +1,6 @@
 """Paged attention, pure PyTorch: runs on CPU and CUDA and is the reference backend.
 
-Each layer's KV cache (met.layers.kv_cache.KVCache) is keys and values [num_kv_heads,
+Each layer's KV cache (met.kernels.kv_cache.KVCache) is keys and values [num_kv_heads,
 num_slots, head_dim], a slot being block * block_size + offset, in the model's dtype or int8
 with a scale per row. New keys/values are scattered into their slots, then every request
 attends over its own context only, so a request's result never depends on what else is in
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from met.layers.batch import ForwardBatch
-from met.layers.cpu_decode_attention import decode_attention
-from met.layers.cpu_prompt_attention import prompt_attention, prompt_attention_applies
-from met.layers.kv_cache import KVCache, gather_kv, write_kv
+from met.kernels.decode_attention import decode_attention
+from met.kernels.prompt_attention import prompt_attention, prompt_attention_applies
+from met.kernels.kv_cache import KVCache, gather_kv, write_kv
 
 __all__ = ["KVCache", "attend_cached", "paged_attention"]
 

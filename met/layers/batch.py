@@ -26,7 +26,7 @@ class WindowPlan:
 @dataclass(frozen=True)
 class PromptChunks:
     """The prompt chunks of a step (batch rows [0, prompt_rows)) for the prompt-attention
-    kernel (met.layers.cpu_prompt_attention): per chunk, its first row, its number of rows,
+    kernel (met.kernels.prompt_attention): per chunk, its first row, its number of rows,
     its context length and where its context's slots start in ``slots``."""
 
     slots: torch.Tensor  # long: every prompt chunk's context slots, one after another

@@ -24,23 +24,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from met.layers import fused_ops
 from met.layers.batch import ForwardBatch
-from met.layers.cpu_decode_attention import native_applies, native_op_name
-from met.layers.kv_cache import KVCache
+from met.kernels.decode_attention import native_applies, native_op_name
+from met.kernels.kv_cache import KVCache
 from met.layers.linear import Linear
-from met.layers.native import native_op
-from met.layers.w4a8 import AMX_MIN_ROWS
+from met.kernels.native import namespace, native_op
+from met.kernels.w4a8 import AMX_MIN_ROWS
 
 if TYPE_CHECKING:  # met.models.llama imports this module
     from met.models.llama import FusedLayer
 
-_NAME = "met_layer_stack_v1"
-
-
 @functools.cache
 def _op():
-    return native_op(_NAME, "layer_stack.cpp", "decode_layers")
+    return native_op("layer_stack", "decode_layers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +71,7 @@ class LayerStack:
             shared.num_heads, shared.num_kv_heads, [kv.k for kv in kv_caches],
             [kv.v for kv in kv_caches], [kv.k_scale for kv in kv_caches],
             [kv.v_scale for kv in kv_caches], batch.slot_mapping, self.attention_op,
-            plan.decode_slots, plan.decode_offsets, shared.scale, fused_ops.NAME)
+            plan.decode_slots, plan.decode_offsets, shared.scale, namespace("fused_ops"))
 
 
 def build(layers: Sequence[FusedLayer], projections: Sequence[Sequence[Linear]],

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from met.layers import int4_gemv
-from met.layers.int_activations import IntActivationLinear
-from met.layers.w4a8 import Int4Dynamic, Int8Blocks, KernelCall
-from met.layers.w8a8 import Int8Dynamic
+from met.kernels import int4_gemv
+from met.kernels.int_activations import IntActivationLinear
+from met.kernels.w4a8 import Int4Dynamic, Int8Blocks, KernelCall
+from met.kernels.w8a8 import Int8Dynamic
 
 # Rows up to which the int8 GEMV kernel beats bfloat16 matrix multiply on the CPU
 # (docs/benchmarks.md: measured per layer shape of the embedded model).

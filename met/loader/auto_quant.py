@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from met.layers import w4a8
+from met.kernels import w4a8
 from met.layers.linear import GEMV_MAX_ROWS, Linear
 
 

@@ -64,7 +64,7 @@ class CausalLM(nn.Module, ABC):
         self.lm_head = LMHead(self.lm_head.weight, quantization)  # 8-bit when quantized
         self.row_attention = quantization in ("w8a8", "w4a8")
         # A quantized model is not the exact float32 reference: its float32 activations may
-        # take the fused element-wise ops too (met/layers/fused_ops.py).
+        # take the fused element-wise ops too (met/kernels/fused_ops.py).
         self.fused_float32 = quantization is not None
         if quantization is not None:
             for module in self.modules():

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from met.layers import fused_ops, layer_stack
+from met.kernels import fused_ops
+from met.layers import layer_stack
 from met.layers.activations import get_activation
 from met.layers.attention import KVCache, attend_cached, paged_attention
 from met.layers.batch import ForwardBatch

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from met.layers import kv_cache
+from met.kernels import kv_cache
 from met.layers.batch import ForwardBatch, SeqSpan
 from met.models.base import CausalLM
 from met.scheduler.scheduler import ScheduledRequest, SchedulerOutput

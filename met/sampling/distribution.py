@@ -5,7 +5,7 @@ the inverse CDF (`inverse_cdf_draw`).
 Cost on a CPU matters at every step: a 49k-token vocabulary, 64 rows. An exponential race
 (one Exp(1) draw per token) took ~1 ms a row and a full sort for top-k / top-p ~2 ms a row;
 here top-k takes the k largest logits (torch.topk) and the steps after it read only those;
-top-p's cut comes from one pass and a select, applied in place (fused_ops.top_p_cut_); the draw sums
+top-p's cut comes from one pass and a select, applied in place (sampler_ops.top_p_cut_); the draw sums
 blocks of the row before it sums tokens; every step edits one working copy in place.
 """
 
@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from met.layers import fused_ops
+from met.kernels import sampler_ops
 from met.sampling.params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -156,7 +156,7 @@ def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
         return probs
     sub = probs if len(rows) == len(top_ps) else probs[rows]
     p_t = torch.tensor([top_ps[i] for i in rows], dtype=torch.float64)
-    if fused_ops.top_p_cut_(sub, p_t) is None:
+    if sampler_ops.top_p_cut_(sub, p_t) is None:
         threshold = _top_p_threshold(sub, p_t.to(sub.device))
         sub.masked_fill_(sub < threshold.unsqueeze(1), 0.0)
     cut = sub.div_(sub.sum(dim=-1, keepdim=True))
@@ -167,7 +167,7 @@ def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 
 
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`fused_ops.top_p_threshold` in torch ops (other devices): the cut is looked for among
+    """`sampler_ops.top_p_threshold` in torch ops (other devices): the cut is looked for among
     the `_TOP_P_FIRST` most likely tokens, then 8x as many, ... (all of them at worst)."""
     vocab, k = probs.shape[-1], min(_TOP_P_FIRST, probs.shape[-1])
     while True:

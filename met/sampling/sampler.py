@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from met.layers import fused_ops
+from met.kernels import sampler_ops
 from met.sampling.distribution import inverse_cdf_draw, sampling_candidates
 from met.sampling.grammar import apply_grammar_masks
 from met.sampling.logit_edits import process_logits
@@ -61,7 +61,7 @@ class Sampler:
             if not r.params.greedy:
                 groups.setdefault(r.params.top_k, []).append(i)
         if sum(len(g) for g in groups.values()) < len(requests):
-            tokens = fused_ops.argmax(logits)  # the greedy rows' picks (a pass over every row)
+            tokens = sampler_ops.argmax(logits)  # the greedy rows' picks (a pass over every row)
         else:  # every row samples: no argmax pass
             tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for group in groups.values():

@@ -89,7 +89,7 @@ def test_embedded_smollm2_auto_path_and_its_distance_from_float32(float32_llm, f
     Those scores are prompt rows (under w4a8 with AMX-BF16: bfloat16 activations); its own
     generated tokens (int8 activations) are held to the same 0.25 against float32."""
     from met.config import cpu_has_native_bf16
-    from met.layers import w4a8
+    from met.kernels import w4a8
 
     auto = LLM(None, max_model_len=256, max_num_seqs=1)
     w4a8_here = "w4a8" if w4a8.available() else None

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from met import LLM, SamplingParams, StructuredOutputs
-from met.layers import w4a8  # noqa: F401  (read by a string xfail condition below)
+from met.kernels import w4a8  # noqa: F401  (read by a string xfail condition below)
 
 pytestmark = pytest.mark.slow
 

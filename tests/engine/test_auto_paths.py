@@ -12,7 +12,7 @@ from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams
 from met.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
-from met.layers import w4a8
+from met.kernels import w4a8
 from met.loader import model_loader
 from met.loader.gguf import Q4Blocks
 from met.loader.model_loader import load_model

@@ -5,7 +5,7 @@ and logprobs must still be bitwise the same alone, batched, chunked, after a pre
 a multi-turn prompt that repeats an earlier reply (whose blocks were computed as generated
 rows and are not served to a prompt). Each test runs on the tiny Llama with 16-dim heads
 (prompt rows attend one by one through the decode kernel) and with 64-dim heads (prompt rows
-attend on AMX-BF16 tiles, met.layers.cpu_prompt_attention, where the CPU has them)."""
+attend on AMX-BF16 tiles, met.kernels.prompt_attention, where the CPU has them)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 import met.layers.attention as attention
 from met import LLM, SamplingParams
-from met.layers import w4a8
-from met.layers.cpu_prompt_attention import prompt_attention_available
+from met.kernels import w4a8
+from met.kernels.prompt_attention import prompt_attention_available
 
 TOP2 = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 BLOCK = 16

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from met.layers import int4_gemv
+from met.kernels import int4_gemv
 from met.layers.linear import (
     GEMV_MAX_ROWS,
     Int4Weight,

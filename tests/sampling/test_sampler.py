@@ -193,7 +193,7 @@ def test_native_top_p_cut_matches_the_definition_and_the_torch_path():
     # Flat, peaked and tied rows; the cut is min{v : mass of tokens above v < top_p}. The
     # native search first counts only values >= (1 - top_p) / 2V (a language model's long tail
     # of tiny probabilities is skipped): the long-tailed row takes that path.
-    from met.layers import fused_ops
+    from met.kernels import sampler_ops
     gen = torch.Generator().manual_seed(7)
     long_tail = torch.randn(5000, generator=gen) * 2
     long_tail[torch.randperm(5000, generator=gen)[:20]] += 15.0
@@ -206,7 +206,7 @@ def test_native_top_p_cut_matches_the_definition_and_the_torch_path():
     assert int((probs[4] < 0.001 / (2 * 5000)).sum()) > 4000  # most of the tail is skipped
     for top_p in (0.05, 0.5, 0.9, 0.999):
         p_t = torch.full((n,), top_p, dtype=torch.float64)
-        native = fused_ops.top_p_threshold(probs, p_t)
+        native = sampler_ops.top_p_threshold(probs, p_t)
         assert native is not None
         for i in range(n):
             values = probs[i].double()
@@ -214,37 +214,37 @@ def test_native_top_p_cut_matches_the_definition_and_the_torch_path():
             assert float(native[i]) == pytest.approx(want, rel=0, abs=0), (i, top_p)
         torch.testing.assert_close(_top_p_threshold(probs, p_t), native, rtol=0, atol=0)
         cut = probs.clone()
-        assert torch.equal(fused_ops.top_p_cut_(cut, p_t), native)  # in place, same cut
+        assert torch.equal(sampler_ops.top_p_cut_(cut, p_t), native)  # in place, same cut
         assert torch.equal(cut, probs.masked_fill(probs < native.unsqueeze(1), 0.0))
 
 
 def test_native_top_p_cut_of_a_row_whose_tail_holds_the_cut():
     # 0.87 on one token and 4999 tokens of 9.98e-6 (below the skipped tail's bound 1e-5 at
     # top_p 0.9): the nucleus runs into the tail, so the search over every value decides.
-    from met.layers import fused_ops
+    from met.kernels import sampler_ops
     probs = torch.full((1, 5000), 0.0499 / 4999)
     probs[0, 123] = 0.87
     for top_p, want in ((0.5, float(probs[0, 123])), (0.9, float(probs[0, 0]))):
         p_t = torch.tensor([top_p], dtype=torch.float64)
-        assert float(fused_ops.top_p_threshold(probs, p_t)[0]) == want
+        assert float(sampler_ops.top_p_threshold(probs, p_t)[0]) == want
         assert float(_top_p_threshold(probs, p_t)[0]) == want
 
 
 def test_native_top_p_keeps_every_token_of_a_nan_row_and_needs_a_contiguous_row():
-    from met.layers import fused_ops
+    from met.kernels import sampler_ops
     probs = torch.softmax(torch.randn(3, 300, generator=torch.Generator().manual_seed(1)), -1)
     probs[1, 7] = float("nan")
     p_t = torch.full((3,), 0.5, dtype=torch.float64)
     cut = probs.clone()
-    thresholds = fused_ops.top_p_cut_(cut, p_t)
+    thresholds = sampler_ops.top_p_cut_(cut, p_t)
     assert float(thresholds[1]) == 0.0 and torch.equal(cut[1].nan_to_num(), probs[1].nan_to_num())
     assert int((cut[0] > 0).sum()) < 300 and int((cut[2] > 0).sum()) < 300
     zeros = torch.tensor([[0.5, -0.0, 0.3, 0.0, 0.2] + [0.0] * 59])  # -0.0 and 0.0: no mass
     for top_p, want in ((0.4, 0.5), (0.6, 0.3), (0.9, 0.2)):
-        got = fused_ops.top_p_threshold(zeros, torch.tensor([top_p], dtype=torch.float64))
+        got = sampler_ops.top_p_threshold(zeros, torch.tensor([top_p], dtype=torch.float64))
         assert float(got[0]) == pytest.approx(want, rel=1e-7), top_p
     strided = probs.t().contiguous().t()  # same values, not contiguous: not edited in place
-    assert fused_ops.top_p_cut_(strided, p_t) is None
+    assert sampler_ops.top_p_cut_(strided, p_t) is None
     assert torch.equal(strided.nan_to_num(), probs.nan_to_num())
 
 

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from met import LLM, SamplingParams
-from met.layers import fused_ops, kv_cache, layer_stack
-from met.layers.kv_cache import KVCache
+from met.kernels import fused_ops, kv_cache, sampler_ops
+from met.layers import layer_stack
+from met.kernels.kv_cache import KVCache
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding
 
@@ -261,10 +262,10 @@ def test_float32_never_takes_the_fused_path(tiny_checkpoint, monkeypatch):
 def test_argmax_is_torch_argmax_with_ties_nans_and_infs(shape):
     t, v = shape
     x = torch.randn(t, v, generator=torch.Generator().manual_seed(11))
-    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(sampler_ops.argmax(x), x.argmax(dim=-1))
     x[0, v // 3] = x[0, v // 2] = x[0].max() + 1  # a tie: the first index wins
-    assert int(fused_ops.argmax(x)[0]) == v // 3
+    assert int(sampler_ops.argmax(x)[0]) == v // 3
     x[-1, v - 1] = x[-1, 2] = float("nan")  # NaN counts as the maximum
-    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(sampler_ops.argmax(x), x.argmax(dim=-1))
     x[0] = float("-inf")
-    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(sampler_ops.argmax(x), x.argmax(dim=-1))

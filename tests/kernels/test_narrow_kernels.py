@@ -18,7 +18,7 @@ HERE = Path(__file__).parent
 
 def test_narrow_variants_pass_the_kernel_tests():
     env = dict(os.environ, MET_NARROW_KERNELS="1")
-    tests = [str(HERE / "test_cpu_decode_attention.py"), str(HERE / "test_fused_ops.py")]
+    tests = [str(HERE / "test_decode_attention.py"), str(HERE / "test_fused_ops.py")]
     # The fallback test builds a broken extension on purpose: nothing narrow to see there.
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-k", "not falls_back", *tests],

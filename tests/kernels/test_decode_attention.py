@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from met.layers.cpu_decode_attention import (
+from met.kernels.decode_attention import (
     decode_attention,
     decode_attention_available,
     decode_attention_reference,
 )
-from met.layers.kv_cache import KVCache, gather_kv, quantize_kv
+from met.kernels.kv_cache import KVCache, gather_kv, quantize_kv
 
 
 def _problem(
@@ -183,7 +183,7 @@ def _int8(k: torch.Tensor, v: torch.Tensor) -> tuple[KVCache, KVCache]:
 @pytest.mark.parametrize(("h", "hkv", "d", "lens"), [
     (9, 3, 64, None), (4, 4, 128, None), (16, 2, 64, None), (9, 3, 64, SPLIT_LENS)])
 def test_int8_cache_is_attention_over_its_dequantized_rows(dtype, h, hkv, d, lens):
-    """An int8 cache (met.layers.kv_cache) gives the float path's result on the rows it
+    """An int8 cache (met.kernels.kv_cache) gives the float path's result on the rows it
     dequantizes to, split contexts included, and stays batch-invariant."""
     n = 7 if lens is None else len(lens)
     q, k, v, slots, offsets = _problem(n, h, hkv, d, torch.float32, seed=h + d, lens=lens)
@@ -246,9 +246,9 @@ def test_falls_back_to_sdpa_loop_with_one_warning_when_the_build_fails(tmp_path)
     script = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-from met.layers.cpu_decode_attention import (
+from met.kernels.decode_attention import (
     decode_attention, decode_attention_available, decode_attention_reference)
-from met.layers.kv_cache import KVCache
+from met.kernels.kv_cache import KVCache
 q, k, v = torch.randn(2, 4, 16), torch.randn(2, 50, 16), torch.randn(2, 50, 16)
 slots, offsets = torch.arange(30), torch.tensor([0, 10, 30])
 assert not decode_attention_available()
@@ -272,6 +272,6 @@ print("FELL_BACK")
     warnings = [
         line
         for line in proc.stderr.splitlines()
-        if line.startswith("WARNING met.layers.native") and "decode_attention.cpp" in line
+        if line.startswith("WARNING met.kernels.native") and "decode_attention.cpp" in line
     ]
     assert len(warnings) == 1, proc.stderr[-3000:]

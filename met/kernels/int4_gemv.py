@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from met.layers.native import load_native_ops, native_op
-
-_NAME = "met_int4_gemv_v6"
+from met.kernels.capability import probe
+from met.kernels.native import load_native_ops, native_op
 
 
 def _ops():
-    return load_native_ops(_NAME, "int4_gemv.cpp")
+    return load_native_ops("int4_gemv")
 
 
 def available() -> bool:
     """True when this CPU has AVX512-BF16 and the kernel builds (compiles on first call)."""
-    ops = _ops()
-    return ops is not None and bool(ops.supported())
+    return probe().avx512_bf16 and _ops() is not None
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
@@ -38,4 +36,4 @@ def linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tens
            out_features: int) -> torch.Tensor:
     """x [M, K] (contiguous bfloat16) times the packed weights: bfloat16 [M, out_features]."""
     qpacked, scale, zero = packed
-    return native_op(_NAME, "int4_gemv.cpp", "linear")(x, qpacked, scale, zero, out_features)
+    return native_op("int4_gemv", "linear")(x, qpacked, scale, zero, out_features)

@@ -31,13 +31,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from met.layers.int_activations import IntActivationLinear
-from met.layers.native import load_native_ops, native_op
+from met.kernels.int_activations import IntActivationLinear
+from met.kernels.capability import probe
+from met.kernels.native import load_native_ops, native_op
 
-# (ISA, op namespace, csrc file): the AVX512-VNNI kernel (with AMX tiles where present) and,
-# for CPUs with AVX2 only, the same ops, layout and bits from VPMADDUBSW (`_kernel` picks).
-_KERNELS = (("avx512-vnni", "met_w4a8_v13", "w4a8.cpp"),
-            ("avx2", "met_w4a8_avx2_v7", "w4a8_avx2.cpp"))
+# (ISA, extension key, runs here): the AVX512-VNNI kernel (with AMX tiles where present)
+# and, for CPUs with AVX2 only, the same ops, layout and bits from VPMADDUBSW.
+_KERNELS = (("avx512-vnni", "w4a8", lambda cap: cap.avx512_vnni),
+            ("avx2", "w4a8_avx2", lambda cap: cap.avx2))
 _GROUP = 64  # output channels per group of the kernel's layout
 BLOCK = 32  # weights / activations per scale
 # From this many rows on, AMX-INT8 tiles (where the CPU has them) compute the block sums:
@@ -50,15 +51,14 @@ AMX_MIN_ROWS = 32
 
 
 @functools.cache
-def _kernel() -> tuple[str, str, str] | None:
-    """The `_KERNELS` entry for this CPU: w4a8.cpp where it has AVX512-VNNI, else
-    w4a8_avx2.cpp where it has AVX2 (+ FMA, F16C); None without either or without a
-    compiler. The AVX-512 file is only built where torch reports AVX-512."""
-    candidates = _KERNELS if torch.backends.cpu.get_cpu_capability() == "AVX512" else _KERNELS[1:]
-    for isa, name, source in candidates:
-        ops = load_native_ops(name, source)
-        if ops is not None and bool(ops.supported()):
-            return isa, name, source
+def _kernel() -> tuple[str, str] | None:
+    """(ISA, extension key) of the `_KERNELS` entry for this CPU: w4a8 where it has
+    AVX512-VNNI, else w4a8_avx2 where it has AVX2 (+ FMA, F16C); None without either or
+    without a compiler."""
+    cap = probe()
+    for isa, key, runs in _KERNELS:
+        if runs(cap) and load_native_ops(key) is not None:
+            return isa, key
     return None
 
 
@@ -78,7 +78,7 @@ def prompt_rows_available() -> bool:
     """True when the kernel can run prompt rows through bfloat16 weights (AMX-BF16 tiles):
     `Int4Dynamic.prompt_rows_kernel`."""
     kernel = _kernel()
-    return kernel is not None and bool(load_native_ops(*kernel[1:]).amx_bf16_supported())
+    return kernel is not None and kernel[0] == "avx512-vnni" and probe().amx_bf16
 
 
 def fit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,7 +143,7 @@ class KernelCall(NamedTuple):
     """A 4-bit projection as its op runs it: ``op(x, *weights, bias, out_features,
     out_float, AMX_MIN_ROWS, prompt_rows)``."""
 
-    op: str  # the qualified op name, e.g. "met_w4a8_avx2_v7::linear"
+    op: str  # the qualified op name, e.g. "met_w4a8_avx2_<hash>::linear"
     weights: tuple[torch.Tensor, ...]  # packed, d, m
     bias: torch.Tensor | None
     out_features: int
@@ -220,7 +220,7 @@ class _BlockKernelLinear(IntActivationLinear):
     def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
         """What a bound kernel call needs: the op, the weight buffers, the bias, N."""
         weights = tuple(getattr(self, name) for name in self._kernel_buffers)
-        return native_op(*_kernel()[1:], self._op), weights, self.bias, self.out_features
+        return native_op(_kernel()[1], self._op), weights, self.bias, self.out_features
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if self.native:

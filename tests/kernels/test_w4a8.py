@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from met.layers import w4a8
+from met.kernels import w4a8
 from met.layers.linear import Linear, LMHead
-from met.layers.w4a8 import Int4Dynamic, Int8Blocks
+from met.kernels.w4a8 import Int4Dynamic, Int8Blocks
 from met.loader.gguf import Q4Blocks
 
 SHAPES = [(960, 576), (576, 1536), (37, 96), (1000, 64)]  # (out, in); off the 64-channel tiles
@@ -251,14 +251,15 @@ def test_every_kernel_this_cpu_runs_gives_the_same_bits():
     and the same float steps: where a CPU runs both, their outputs are equal bit for bit
     (4-bit and 8-bit weights, bfloat16 and float32 rows and outputs). Every x86-64 machine
     met is tested on runs at least the AVX2 one, and auto picks the best it has."""
-    from met.layers.native import load_native_ops
+    from met.kernels.capability import probe
+    from met.kernels.native import load_native_ops
 
     ran = []
     w, b = _weights(200, 96)
     x16 = _x(13, 96)
-    for isa, name, source in w4a8._KERNELS:
-        ops = load_native_ops(name, source)
-        if ops is None or not ops.supported():
+    for isa, key, runs in w4a8._KERNELS:
+        ops = load_native_ops(key) if runs(probe()) else None
+        if ops is None:
             continue
         int4 = Int4Dynamic(w, b)
         int8 = Int8Blocks(w, b)

@@ -1,4 +1,4 @@
-// Causal attention of prompt rows on AMX-BF16 tiles (met/layers/cpu_prompt_attention.py).
+// Causal attention of prompt rows on AMX-BF16 tiles (met/kernels/prompt_attention.py).
 //
 // A task is sixteen consecutive query rows of one prompt chunk and one query head. Its
 // scores S = Q Kᵀ come from TDPBF16PS tiles (16 rows × 16 keys, bfloat16 products summed in

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from met.layers.int_activations import IntActivationLinear
-from met.layers.native import load_native_ops, native_op
+from met.kernels.int_activations import IntActivationLinear
+from met.kernels.capability import probe
+from met.kernels.native import load_native_ops, native_op
 
-_NAME = "met_w8a8_v5"
-_SOURCE = "w8a8.cpp"
+_KEY = "w8a8"
 _GROUP = 64  # output channels per group of the GEMV layout
 # Rows up to which the GEMV kernel is at least as fast as quantize + oneDNN + scale_out:
 # measured on the embedded model's shapes (2-core Sapphire Rapids, docs/benchmarks.md), 16 for
@@ -34,8 +34,7 @@ LARGE_WEIGHT = 1 << 22
 
 def available() -> bool:
     """True when this CPU has AVX512-VNNI and the kernels build (compiles on first call)."""
-    ops = load_native_ops(_NAME, _SOURCE)
-    return ops is not None and bool(ops.supported())
+    return probe().avx512_vnni and load_native_ops(_KEY) is not None
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,16 +100,16 @@ class Int8Dynamic(IntActivationLinear):
         if not self.native:
             return self._torch_product(x, out_float)
         if x.shape[0] <= self.gemv_max_rows:
-            return native_op(_NAME, _SOURCE, "gemv")(x, self.packed, self.wsum128, self.scale,
+            return native_op(_KEY, "gemv")(x, self.packed, self.wsum128, self.scale,
                                                      self.bias, self.out_features, out_float)
-        q, sx = native_op(_NAME, _SOURCE, "quantize")(x)
+        q, sx = native_op(_KEY, "quantize")(x)
         if self.onednn is not None:
             acc = torch.ops.onednn.qlinear_pointwise.default(
                 q, 1.0, 0, self.onednn, self.ones, self.zero_points, None, 1.0, 0,
                 torch.float32, "none", [None], "")
         else:
             acc = torch._int_mm(q, self.qweight.t())
-        return native_op(_NAME, _SOURCE, "scale_out")(acc, sx, self.scale, self.bias, out_float)
+        return native_op(_KEY, "scale_out")(acc, sx, self.scale, self.bias, out_float)
 
     def _torch_product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         """The same arithmetic in plain PyTorch, one path for every row count."""

@@ -31,12 +31,12 @@ the register-blocked path), vs ~2.4 ms for the loop; docs/benchmarks.md has the 
 single-core L3 read roof of ~25 GB/s (~0.34 ms). Neither vdpbf16ps nor AMX tiles for the
 scores made it faster.
 
-int8 caches (met.layers.kv_cache): rows are widened from int8 in registers; a key's row scale
+int8 caches (met.kernels.kv_cache): rows are widened from int8 in registers; a key's row scale
 multiplies its dot product (with the softmax scale) and a value's row scale its weight after
 the softmax, so the arithmetic is the float path's on the dequantized rows, in another order.
 Only contiguous rows with head_dim % 64 == 0 read int8 (other caches go to the reference).
 
-The kernel is compiled on first use (met.layers.native) and cached per process. Without a
+The kernel is compiled on first use (met.kernels.native) and cached per process. Without a
 working compiler the loader logs one warning and this module falls back to
 `decode_attention_reference`, a per-request SDPA loop with the same semantics.
 """
@@ -48,21 +48,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from met.layers.kv_cache import KVCache, gather_kv
-from met.layers.native import native_op
+from met.kernels.kv_cache import KVCache, gather_kv
+from met.kernels.native import native_op
 
-# The build's name and the op namespace the library registers (torch.ops.<name>). torch
-# rebuilds by itself when the source changes; bump the suffix if two versions of this source
-# could ever be loaded into one process, since a namespace can be registered only once.
-_EXT_NAME = "met_cpu_decode_attn_v12"
+_KEY = "decode_attention"
 
 
 @functools.cache
 def _native_kernel():
     """The compiled op (built on the first call in this process), or None when the build
-    failed (met.layers.native logged why, once). Cached: the op lookup costs ~10 µs, a third
+    failed (met.kernels.native logged why, once). Cached: the op lookup costs ~10 µs, a third
     of the kernel at one request, and a decode step makes one call per layer."""
-    return native_op(_EXT_NAME, "decode_attention.cpp", "decode_attention")
+    return native_op(_KEY, "decode_attention")
 
 
 def decode_attention_available() -> bool:

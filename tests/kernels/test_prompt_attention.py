@@ -1,4 +1,4 @@
-"""Prompt attention on AMX-BF16 tiles (met.layers.cpu_prompt_attention): causal attention of
+"""Prompt attention on AMX-BF16 tiles (met.kernels.prompt_attention): causal attention of
 prompt chunks over the paged cache, checked against float64 attention on the same bfloat16
 inputs, and bitwise the same for a row however its prompt is chunked or batched."""
 
@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from met.layers.cpu_prompt_attention import (
+from met.kernels.prompt_attention import (
     prompt_attention,
     prompt_attention_applies,
     prompt_attention_available,
 )
-from met.layers.kv_cache import KVCache, allocate
+from met.kernels.kv_cache import KVCache, allocate
 
 SLOTS = 4096
 BLOCK = 16

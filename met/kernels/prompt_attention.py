@@ -30,19 +30,17 @@ import functools
 
 import torch
 
-from met.layers.kv_cache import KVCache
-from met.layers.native import load_native_ops, native_op
+from met.kernels.kv_cache import KVCache
+from met.kernels.capability import probe
+from met.kernels.native import load_native_ops, native_op
 
-# Bump the suffix when the source changes in a way two processes could disagree on.
-_EXT_NAME = "met_prompt_attn_v1"
-_SOURCE = "prompt_attention.cpp"
+_KEY = "prompt_attention"
 
 
 @functools.cache
 def prompt_attention_available() -> bool:
     """True when this CPU has AMX-BF16 and the kernel builds (compiles on first call)."""
-    ops = load_native_ops(_EXT_NAME, _SOURCE)
-    return ops is not None and bool(ops.supported())
+    return probe().amx_bf16 and load_native_ops(_KEY) is not None
 
 
 def prompt_attention_applies(q: torch.Tensor, kv: KVCache) -> bool:
@@ -62,5 +60,5 @@ def prompt_attention(q: torch.Tensor, kv: KVCache, slots: torch.Tensor, chunks: 
     its context length (the chunk's rows are the context's last positions) and where its
     context's slots start in ``slots`` (long, every chunk's context slots one after another).
     The chunks must cover q's rows. Returns [P, H, D] bfloat16."""
-    op = native_op(_EXT_NAME, _SOURCE, "prompt_attention")
+    op = native_op(_KEY, "prompt_attention")
     return op(q, kv.k, kv.v, slots, chunks, float(scale))

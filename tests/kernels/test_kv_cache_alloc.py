@@ -1,4 +1,4 @@
-"""met.layers.kv_cache.allocate: a zeroed pool that costs memory only where it is used."""
+"""met.kernels.kv_cache.allocate: a zeroed pool that costs memory only where it is used."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from met.layers.kv_cache import allocate
+from met.kernels.kv_cache import allocate
 
 
 def _resident_bytes() -> int:
