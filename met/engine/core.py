@@ -9,6 +9,7 @@ import torch
 
 from met.cache.kv_manager import KVCacheManager, KVStats
 from met.config import EngineConfig
+from met.kernels import native
 from met.loader.model_loader import LoadedModel, load_model
 from met.runner.model_runner import ModelRunner, kv_bytes_per_block
 from met.sampling.grammar import GrammarCompiler
@@ -50,6 +51,8 @@ class EngineCore:
         self.config = config
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
+        if self.device.type == "cpu":  # before ready: no request ever waits for a compiler
+            native.prepare(progress=log.info)
         self.loaded = loaded or load_model(
             config.model, dtype, self.device, config.max_model_len, config.cache_dir,
             config.quantization, config.max_num_seqs, config.dtype == "auto")

@@ -53,7 +53,7 @@ EXTENSIONS: dict[str, Extension] = {e.key: e for e in (
     Extension("fused_ops", ("fused_ops.cpp",), lambda c: c.avx2,
               "layer ops: RMSNorm, rope + KV write, SiLU·up, residual adds"),
     Extension("sampler_ops", ("sampler_ops.cpp",), lambda c: c.avx2,
-              "sampler ops: top-k/top-p candidates, penalties, logit scatter"),
+              "sampler ops: greedy argmax, top-p threshold and cut"),
     Extension("decode_attention", ("decode_attention.cpp",), lambda c: c.avx2,
               "paged decode attention (bf16 / float32 / int8 cache)"),
     Extension("prompt_attention", ("prompt_attention.cpp",), lambda c: c.amx_bf16,
@@ -78,10 +78,13 @@ def register(ext: Extension) -> None:
 
 @functools.cache
 def namespace(key: str) -> str:
-    """``met_<key>_<hash of sources, headers and flags>``: the ops' namespace and the
-    build's name."""
+    """``met_<key>_<hash of sources, headers, flags and their place>``: the ops' namespace
+    and the build's name."""
     ext = EXTENSIONS[key]
     digest = hashlib.sha256()
+    # The sources' location too: an editable checkout and an installed copy get separate
+    # builds instead of rebuilding one another's (torch's build files hold the paths).
+    digest.update(str(CSRC.resolve()).encode())
     for path in [CSRC / s for s in ext.sources] + sorted(CSRC.glob("*.h")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())

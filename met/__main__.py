@@ -1,0 +1,7 @@
+"""`python -m met` is the `met` command."""
+
+import sys
+
+from met.cli import main
+
+sys.exit(main())
