@@ -12,6 +12,7 @@ import time
 from met.bench.cli import add_bench_parser
 from met.config import KV_CACHE_DTYPES
 from met.kernels.cli import add_parser as add_kernels_parser
+from met.kernels.registry import attention_backend_names, linear_method_names
 from met.loader.resolve import hf_cache_dirs
 
 
@@ -33,6 +34,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU with AVX512-VNNI (without "
                         "it int4 for --max-num-seqs <= 4), else none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--linear-backend", default="auto", choices=["auto", *linear_method_names()],
+                   help="force a linear method (`met kernels list` shows what runs here and "
+                        "why not); it implies its quantization; auto: the first that runs")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", *attention_backend_names()],
+                   help="force an attention backend (torch: the PyTorch reference)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -72,7 +79,8 @@ def _build_llm(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         cache_dir=args.cache_dir, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend,
     )
 
 
@@ -148,7 +156,8 @@ def _engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         cache_dir=args.cache_dir, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend,
     )
 
 

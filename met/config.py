@@ -77,6 +77,9 @@ class EngineConfig:
     # "auto": the KV cache in the model's dtype; "int8": int8 rows with a float32 scale each
     # (met/layers/kv_cache.py), about half the bytes per token
     kv_cache_dtype: str = "auto"
+    # Kernel entries forced by name (met/kernels/registry.py); "auto": the first that runs.
+    linear_backend: str = "auto"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -103,6 +106,23 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.quantization == "none":
             object.__setattr__(self, "quantization", None)  # one spelling of "off" downstream
+        from met.kernels import registry  # torch-only module; kept out of config's import
+
+        for flag, value, names in (
+                ("linear_backend", self.linear_backend, registry.linear_method_names()),
+                ("attention_backend", self.attention_backend,
+                 registry.attention_backend_names())):
+            if value != "auto" and value not in names:
+                raise ValueError(f"{flag}: must be auto or one of {', '.join(names)}, "
+                                 f"got {value!r}")
+        if self.linear_backend != "auto":
+            forced = registry.forced_quantization(self.linear_backend)
+            if self.quantization == "auto":
+                object.__setattr__(self, "quantization", forced)
+            elif self.quantization != forced:
+                raise ValueError(f"linear_backend: {self.linear_backend} runs quantization "
+                                 f"{forced or 'none'}, but quantization is "
+                                 f"{self.quantization or 'none'}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

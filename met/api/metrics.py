@@ -54,6 +54,11 @@ class ServerMetrics:
                                    "Prompt tokens served from the prefix cache",
                                    ["model_name"], registry=r).labels(**labels)
 
+        self.kernels = Gauge("met_kernel_info", "The kernels this server runs (value 1): "
+                             "linear method, attention backend, CPU ISA",
+                             ["model_name", "linear", "attention", "cpu_isa"], registry=r)
+        self._kernels_set = False
+
     def on_choice_done(self, gen: Generation, c: ChoiceState) -> None:
         self.requests.labels(finish_reason=c.finish_reason or "unknown", **self._labels).inc()
         self.generation_tokens.inc(c.num_tokens)
@@ -74,6 +79,9 @@ class ServerMetrics:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.preemptions.set(s.num_preemptions)
+        if s.kernels and not self._kernels_set:
+            self.kernels.labels(**dict(s.kernels), **self._labels).set(1)
+            self._kernels_set = True
         if s.kv is not None:
             self.kv_total.set(s.kv.num_blocks_total)
             self.kv_used.set(s.kv.num_blocks_in_use)

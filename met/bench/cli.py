@@ -1,4 +1,4 @@
-"""`met bench sweep | compare | run | list | verify` (wired into met/cli.py)."""
+"""`met bench sweep | compare | run | list | verify | tables` (wired into met/cli.py)."""
 
 from __future__ import annotations
 
@@ -125,6 +125,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_tables(args: argparse.Namespace) -> int:
+    from met.bench.records import repo_root
+    from met.bench.tables import update
+
+    root = repo_root()
+    files = [Path(f) for f in args.files] or [root / "README.md", root / "docs" / "benchmarks.md"]
+    records = Path(args.records_dir) if args.records_dir else root / ".benchmarks"
+    try:
+        results = update(files, records, check=args.check)
+    except (OSError, KeyError, ValueError) as e:
+        print(f"met bench tables: error: {e}", file=sys.stderr)
+        return 1
+    for r in results:
+        state = ("out of date" if args.check else "updated") if r.changed else "up to date"
+        print(f"{r.path}: {state} ({', '.join(r.tables) or 'no marked tables'})")
+    if args.check and any(r.changed for r in results):
+        print("met bench tables: run `met bench tables` to regenerate", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Add `bench` and its subcommands to the top-level parser's subparsers."""
     bench = sub.add_parser("bench", help="serving benchmarks, gates, records, comparisons")
@@ -179,3 +200,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     vf.add_argument("--public-key", default=None,
                     help="signer's PEM (default: this machine's identity)")
     vf.set_defaults(func=cmd_verify)
+
+    tb = bsub.add_parser("tables", help="regenerate the marked benchmark tables of the docs "
+                                        "from the records")
+    tb.add_argument("files", nargs="*",
+                    help="markdown files with <!-- bench:NAME --> markers (default: README.md "
+                         "and docs/benchmarks.md)")
+    tb.add_argument("--records-dir", default=None, help="default: <repo>/.benchmarks")
+    tb.add_argument("--check", action="store_true",
+                    help="change nothing; exit 1 if a file is out of date")
+    tb.set_defaults(func=cmd_tables)

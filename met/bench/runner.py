@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +78,12 @@ def run_gate(run: GateRun, progress: TextIO | None = None) -> tuple[Path, dict[s
     settings = floors.serve(run.gate)
     if run.device != "cpu":
         settings["device"] = run.device
-    with ManagedServer(run.model, settings) as server:
+    with contextlib.ExitStack() as stack:
+        env = {}
+        if GATES[run.gate].fresh_kernels:
+            env["TORCH_EXTENSIONS_DIR"] = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="met-bench-kernels-"))
+        server = stack.enter_context(ManagedServer(run.model, settings, env=env))
         try:
             outcome = asyncio.run(_measure(run.gate, server, cfg, progress))
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
@@ -84,7 +91,9 @@ def run_gate(run: GateRun, progress: TextIO | None = None) -> tuple[Path, dict[s
                                   checks=[Check.of("gate completed", False, "==", True)])
         used = _kv_blocks_after(server)
         outcome.checks.append(Check.of("kv_blocks_used_after_run", used, "==", 0))
-        serve = {"settings": settings, "argv": server.argv[1:], "served_model": SERVED_NAME}
+        outcome.metrics["server_ready_s"] = server.ready_seconds
+        serve = {"settings": settings, "argv": server.argv[1:], "served_model": SERVED_NAME,
+                 "env": env}
     record = Record(gate=run.gate, model=run.model or "embedded:SmolLM2-135M-Instruct",
                     command=command_line(), serve=serve, metrics=outcome.metrics,
                     checks=outcome.checks,

@@ -34,8 +34,11 @@ class ManagedServer:
     """``python -m met.cli serve MODEL FLAGS --port 0``. Use as a context manager: the exit
     stops the process (SIGTERM, then SIGKILL) whatever happened inside."""
 
-    def __init__(self, model: str | None, settings: dict[str, Any], ready_timeout: float = 600):
+    def __init__(self, model: str | None, settings: dict[str, Any], ready_timeout: float = 600,
+                 env: dict[str, str] | None = None):
         self.model = model
+        self.env = dict(env or {})
+        self.ready_seconds: float | None = None  # launch to /health 200
         self.settings = dict(settings)
         self.ready_timeout = ready_timeout
         self.argv = [sys.executable, "-m", "met.cli", "serve",
@@ -57,9 +60,12 @@ class ManagedServer:
         env = dict(os.environ)
         repo = str(Path(__file__).resolve().parents[2])  # this checkout's met, not another
         env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+        env.update(self.env)
+        started = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self._wait_ready()
+        self.ready_seconds = round(time.monotonic() - started, 2)
         return self
 
     def _wait_ready(self) -> None:

@@ -33,8 +33,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # Blocks holding generated tokens hash apart from prompt blocks of the same tokens
-        # (`extend_block_hashes`' prompt_len): on for models that compute the two kinds of
-        # position differently (`CausalLM.prompt_rows_first`).
+        # (`extend_block_hashes`' prompt_len): set by the engine from its batch policy.
         self.separate_generated = separate_generated
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}

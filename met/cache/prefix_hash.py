@@ -35,8 +35,8 @@ def extend_block_hashes(
     """Append the hashes of every full block of ``tokens`` not hashed yet (in place).
 
     With ``prompt_len``, a block reaching past the prompt (it holds generated tokens) also
-    gets the key `GENERATED`: a model that computes prompt and generated positions through
-    different kernels (`CausalLM.prompt_rows_first`) must not serve one from the other's KV.
+    gets the key `GENERATED`: where prompt and generated positions are computed differently,
+    one must not be served from the other's KV.
     """
     for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None

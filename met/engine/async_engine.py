@@ -70,6 +70,8 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     kv: KVStats | None
+    # The kernel plan's labels (linear method, attention backend, CPU ISA), fixed at load.
+    kernels: tuple[tuple[str, str], ...] = ()
 
 
 StreamItem = RequestUpdate | RequestFailed
@@ -219,6 +221,7 @@ class AsyncEngine:
         start = time.perf_counter()
         try:
             core = self._core_factory()
+            self._publish(core)
         except BaseException as e:  # any load failure becomes the fault reason
             log.exception("model load failed")
             self.fault_reason = f"model load failed: {e}"
@@ -227,7 +230,6 @@ class AsyncEngine:
             return
         self.core = core
         self.load_seconds = time.perf_counter() - start
-        self._publish(core)
         self.state = EngineState.READY
         self._call_loop(self._set_ready)
         try:
@@ -330,4 +332,4 @@ class AsyncEngine:
     def _publish(self, core: EngineCore) -> None:
         sched = core.scheduler
         self.stats = EngineStats(len(sched.running), len(sched.waiting), sched.num_preemptions,
-                                 core.kv_stats())
+                                 core.kv_stats(), core.kernel_labels)

@@ -11,6 +11,7 @@ from met.cache.kv_manager import KVCacheManager, KVStats
 from met.config import EngineConfig
 from met.kernels import native
 from met.loader.model_loader import LoadedModel, load_model
+from met.runner.batch_plan import BatchPolicy
 from met.runner.model_runner import ModelRunner, kv_bytes_per_block
 from met.sampling.grammar import GrammarCompiler
 from met.sampling.logit_edits import dry_breaker_ids
@@ -55,22 +56,28 @@ class EngineCore:
             native.prepare(progress=log.info)
         self.loaded = loaded or load_model(
             config.model, dtype, self.device, config.max_model_len, config.cache_dir,
-            config.quantization, config.max_num_seqs, config.dtype == "auto")
+            config.quantization, config.max_num_seqs, config.dtype == "auto",
+            config.linear_backend, config.attention_backend)
         # What the model runs with: config's "auto" values resolved for this machine and file.
         self.dtype: torch.dtype = dtype
         self.quantization: str | None = self.loaded.quantization
         self.kv_cache_dtype: str = self._resolve_kv_cache_dtype()
         self.max_model_len = self.loaded.max_model_len
         num_blocks = self._num_blocks(dtype)
+        # How rows are grouped per step for this machine's kernels: asked of the prepared
+        # model once, then passed down as a value (the scheduler and cache get plain rules).
+        self.batch_policy = BatchPolicy(prompt_rows_first=self.loaded.model.prompt_rows_first)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
-                                  self.device, self.kv_cache_dtype)
-        # A model whose prompt rows take other kernels than its generated rows (w4a8 with
-        # AMX-BF16): their KV is kept apart in the prefix cache and in scheduled chunks.
-        apart = self.runner.prompt_rows_first
+                                  self.device, self.kv_cache_dtype, policy=self.batch_policy)
+        plan = self.loaded.kernel_plan
+        self.kernel_labels = tuple(plan.labels().items()) if plan is not None else ()
+        if plan is not None and not plan.native_attention:  # --attention-backend torch
+            self.runner.kv_caches = [c._replace(native=False) for c in self.runner.kv_caches]
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 separate_generated=apart)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   prompt_end_apart=apart)
+                                 separate_generated=self.batch_policy.hash_generated_apart)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+            split_at_prompt_end=self.batch_policy.split_chunks_at_prompt_end)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None

@@ -41,6 +41,8 @@ class LLM:
         seed: int = 0,
         quantization: str | None = "auto",
         kv_cache_dtype: str = "auto",
+        linear_backend: str = "auto",
+        attention_backend: str = "auto",
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -48,6 +50,7 @@ class LLM:
             block_size=block_size, kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching, cache_dir=cache_dir, seed=seed,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            linear_backend=linear_backend, attention_backend=attention_backend,
         )
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer

@@ -1,8 +1,9 @@
 """What this machine can run: probed once, returned as one frozen value.
 
-Every choice of kernel path reads this value (`probe()`); nothing else in met asks the CPU
-what it has. The C++ sources keep only guards (`csrc/met_cpu.h`) that refuse to run an op on
-a CPU without its instructions, so a wrong choice fails loudly instead of faulting.
+Every choice of kernel path reads this value (`probe()`); nothing else in met's Python asks
+the CPU what it has. The C++ side has one header of checks (`csrc/met_cpu.h`): the guards
+that refuse to run an op on a CPU without its instructions (a wrong choice fails loudly
+instead of faulting) and the lane width the clones take.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 # The flags met's kernels care about, by their /proc/cpuinfo names.
-KNOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+KNOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+               "avx512_vnni",
                "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
@@ -40,8 +42,8 @@ class Capability:
 
     @property
     def avx512_vnni(self) -> bool:
-        """AVX-512 (F, BW, VL) with VNNI: the wide integer kernels."""
-        return self.has("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+        """AVX-512 (F, BW, DQ, VL) with VNNI: the wide integer kernels."""
+        return self.has("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
     @property
     def avx512_bf16(self) -> bool:
@@ -91,7 +93,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
 def _torch_flags(level: str) -> set[str]:
     """Without /proc/cpuinfo (not Linux): what torch's dispatch level implies."""
     if level.startswith("AVX512"):
-        return {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
+        return {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
     if level == "AVX2":
         return {"avx2", "fma", "f16c"}
     return set()
@@ -108,7 +110,9 @@ def probe() -> Capability:
     # AMX tiles need the kernel's permission per process (arch_prctl); torch asks for it.
     if "amx_tile" in flags and not _amx_granted():
         flags -= {"amx_tile", "amx_int8", "amx_bf16"}
-    if os.environ.get("MET_CPU_FLAGS_OFF"):  # tests and `met doctor`: pretend a smaller CPU
+    if os.environ.get("MET_NARROW_KERNELS") == "1":  # csrc/met_simd.h reads it too
+        flags -= {f for f in flags if f.startswith(("avx512", "amx"))}
+    if os.environ.get("MET_CPU_FLAGS_OFF"):  # pretend a smaller CPU (comma-separated flags)
         flags -= set(os.environ["MET_CPU_FLAGS_OFF"].split(","))
     try:
         cores = len(os.sched_getaffinity(0))

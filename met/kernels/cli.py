@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import met
-from met.kernels import native
+import torch
+
+from met.kernels import native, registry
 from met.kernels.capability import probe
 
 
@@ -24,13 +25,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cap = probe()
-    print(f"met {met.__version__} from {native.CSRC.parent.parent}")
+    print(f"met kernels from {native.CSRC.parent}")
     print(f"machine: {cap.describe()}")
     if args.action == "list":
         for ext in native.EXTENSIONS.values():
             here = "runs here" if ext.runs_on(cap) else "not on this CPU"
             built = "built" if native._built(ext) else "not built"
             print(f"  {ext.key:<18} {here:<16} {built:<10} {ext.what}")
+        print("auto picks, bfloat16 on this CPU (force with --linear-backend / "
+              "--attention-backend):")
+        for quant in (None, "w4a8", "w8a8", "int8", "int4"):
+            plan = registry.plan(registry.LinearSpec(quant, torch.bfloat16, "cpu"), cap=cap)
+            skipped = "; ".join(f"{n}: {why}" for n, why in plan.rejected)
+            print(f"  quantization {quant or 'none':<5} -> linear {plan.linear.name:<12} "
+                  f"attention {plan.attention.name}" + (f"  (not: {skipped})" if skipped
+                                                          else ""))
         return 0
     loaded = native.prepare(progress=print)
     failed = [k for k, ok in loaded.items() if not ok]

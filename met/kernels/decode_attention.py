@@ -119,7 +119,8 @@ def decode_attention(
 def native_applies(kv: KVCache, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether queries of ``dtype`` and ``head_dim`` over ``kv`` take the native kernel
     (else the reference)."""
-    if kv.k.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    if not kv.native or kv.k.device.type != "cpu" or dtype not in (torch.float32,
+                                                                     torch.bfloat16):
         return False
     # The kernel reads int8 rows only through its register-blocked path.
     return not kv.quantized or (head_dim % 64 == 0 and kv.k.stride(2) == 1)

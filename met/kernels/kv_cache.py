@@ -32,6 +32,9 @@ class KVCache(NamedTuple):
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # False: the attention backend is the PyTorch reference (--attention-backend torch),
+    # whatever native kernel could read this cache.
+    native: bool = True
 
     @property
     def quantized(self) -> bool:

@@ -30,8 +30,8 @@ import functools
 
 import torch
 
-from met.kernels.kv_cache import KVCache
 from met.kernels.capability import probe
+from met.kernels.kv_cache import KVCache
 from met.kernels.native import load_native_ops, native_op
 
 _KEY = "prompt_attention"
@@ -46,7 +46,8 @@ def prompt_attention_available() -> bool:
 def prompt_attention_applies(q: torch.Tensor, kv: KVCache) -> bool:
     """Whether `prompt_attention` can take these queries over this cache: bfloat16 queries
     and cache on CPU, head_dim a multiple of 32, and the kernel available."""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and not kv.quantized
+    return (kv.native and q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and not kv.quantized
             and kv.k.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
             and q.shape[1] % kv.k.shape[0] == 0 and kv.k.stride(2) == 1
             and kv.v.stride(2) == 1 and prompt_attention_available())

@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from met.kernels.int_activations import IntActivationLinear
 from met.kernels.capability import probe
+from met.kernels.int_activations import IntActivationLinear
 from met.kernels.native import load_native_ops, native_op
 
 # (ISA, extension key, runs here): the AVX512-VNNI kernel (with AMX tiles where present)
@@ -161,14 +161,22 @@ class _BlockKernelLinear(IntActivationLinear):
     _takes_prompt_rows = False  # the op's last argument is prompt_rows (4-bit weights)
     takes_float32 = True  # both kernels and block_quantized_product quantize float32 rows
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: str | None = "auto"):
+        """``kernel``: the extension that runs it ("w4a8", "w4a8_avx2"; None: PyTorch ops;
+        "auto": the best this CPU runs), as the linear-method registry chose."""
         super().__init__()
         n, k = weight.shape
         if k % BLOCK:
             raise ValueError(f"quantization w4a8: input size {k} is not a multiple of {BLOCK}")
         self.out_features, self.in_features = n, k
         integers = self._integers(weight)
-        self.native = weight.device.type == "cpu" and available()
+        if kernel == "auto":
+            kernel = _kernel()[1] if available() else None
+        if weight.device.type != "cpu":
+            kernel = None
+        self.kernel_key = kernel
+        self.native = kernel is not None
         if self.native:
             for name, tensor in zip(self._kernel_buffers, self._pack(*integers), strict=True):
                 self.register_buffer(name, tensor)
@@ -220,7 +228,7 @@ class _BlockKernelLinear(IntActivationLinear):
     def _bound(self) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor | None, int]:
         """What a bound kernel call needs: the op, the weight buffers, the bias, N."""
         weights = tuple(getattr(self, name) for name in self._kernel_buffers)
-        return native_op(_kernel()[1], self._op), weights, self.bias, self.out_features
+        return native_op(self.kernel_key, self._op), weights, self.bias, self.out_features
 
     def _product(self, x: torch.Tensor, out_float: bool) -> torch.Tensor:
         if self.native:
@@ -261,7 +269,7 @@ class Int4Dynamic(_BlockKernelLinear):
         (its per-block float steps are gone) and each row's output still depends on that
         row alone. None where the CPU has no AMX-BF16 (every row then takes the int8 path).
         """
-        if not (self.native and prompt_rows_available()):
+        if not (self.kernel_key == "w4a8" and prompt_rows_available()):
             return None
         kernel, weights, bias, n = self._bound()
         return lambda x, prompt_rows: kernel(x, *weights, bias, n, False, AMX_MIN_ROWS,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from met.kernels.int_activations import IntActivationLinear
 from met.kernels.capability import probe
+from met.kernels.int_activations import IntActivationLinear
 from met.kernels.native import load_native_ops, native_op
 
 _KEY = "w8a8"
@@ -75,12 +75,15 @@ def _pad(v: torch.Tensor | None, n: int) -> torch.Tensor | None:
 class Int8Dynamic(IntActivationLinear):
     """int8 [N, K] weights with per-channel scales, int8 activations with per-row scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: str | None = "auto"):
+        """``kernel``: "w8a8" (the native GEMV), None (PyTorch ops) or "auto"."""
         super().__init__()
         q, scale = quantize_weight(weight)
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q)  # [N, K]; torch._int_mm takes its transpose
-        self.native = weight.device.type == "cpu" and available()
+        native = available() if kernel == "auto" else kernel is not None
+        self.native = weight.device.type == "cpu" and native
         self.gemv_max_rows = (GEMV_MAX_ROWS if q.numel() <= LARGE_WEIGHT
                               else GEMV_MAX_ROWS_LARGE)
         self.register_buffer("scale", _pad(scale, _GROUP) if self.native else scale)

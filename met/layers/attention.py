@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from met.layers.batch import ForwardBatch
 from met.kernels.decode_attention import decode_attention
-from met.kernels.prompt_attention import prompt_attention, prompt_attention_applies
 from met.kernels.kv_cache import KVCache, gather_kv, write_kv
+from met.kernels.prompt_attention import prompt_attention, prompt_attention_applies
+from met.layers.batch import ForwardBatch
 
 __all__ = ["KVCache", "attend_cached", "paged_attention"]
 

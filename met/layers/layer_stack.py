@@ -20,19 +20,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from met.layers.batch import ForwardBatch
 from met.kernels.decode_attention import native_applies, native_op_name
 from met.kernels.kv_cache import KVCache
-from met.layers.linear import Linear
 from met.kernels.native import namespace, native_op
 from met.kernels.w4a8 import AMX_MIN_ROWS
+from met.layers.batch import ForwardBatch
+from met.layers.fused_layer import FusedLayer
+from met.layers.linear import Linear
 
-if TYPE_CHECKING:  # met.models.llama imports this module
-    from met.models.llama import FusedLayer
 
 @functools.cache
 def _op():
@@ -49,7 +47,7 @@ class LayerStack:
     weights: list[torch.Tensor]  # packed, d, m of each layer's qkv, o, gate_up, down
     biases: list[torch.Tensor | None]
     out_features: list[int]
-    # The first layer (`met.models.llama.FusedLayer`): its rotary tables, head counts,
+    # The first layer (`FusedLayer`): its rotary tables, head counts,
     # attention scale and window are every layer's (`build` checks).
     shared: FusedLayer
     attention_op: str
@@ -76,7 +74,7 @@ class LayerStack:
 
 def build(layers: Sequence[FusedLayer], projections: Sequence[Sequence[Linear]],
           first_norm: torch.Tensor, first_eps: float) -> LayerStack | None:
-    """The stack of a model's fused layers (`met.models.llama.FusedLayer`: norms, rotary
+    """The stack of a model's fused layers (`FusedLayer`: norms, rotary
     tables, head counts, window) and their projections (qkv, o, gate_up, down per layer), or
     None where it does not apply (see the module docstring) or a kernel did not build."""
     calls = [proj.kernel_call() for per_layer in projections for proj in per_layer]

@@ -82,7 +82,8 @@ class _WeightOnly(nn.Module, ABC):
 class Int8Weight(_WeightOnly):
     """int8 [N, K] weights with per-output-channel scales; ``forward(x)`` = x Wᵀ (+ bias)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: str | None = "auto"):  # no native kernel of its own
         super().__init__()
         w = weight.detach().float()
         # The kernel takes bfloat16 scales: round them up (never below max|w| / 127, so no
@@ -125,7 +126,9 @@ class Int4Weight(_WeightOnly):
     """int4 [N, K] weights in groups of 32 along K, each with a scale and a minimum;
     ``forward(x)`` = x Wᵀ (+ bias)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: str | None = "auto"):
+        """``kernel``: "int4_gemv" (few rows natively), None (bfloat16 only) or "auto"."""
         super().__init__()
         n, k = weight.shape
         if k % INT4_GROUP:
@@ -148,8 +151,9 @@ class Int4Weight(_WeightOnly):
         # AVX512-BF16. Elsewhere every row count takes the many-rows path: torch's int4
         # kernel kept the weights in float32 (rows then changed by ~1 bfloat16 ulp with their
         # batch) and refused N not a multiple of 16; w4a8 is the fast 4-bit path there.
+        gemv = int4_gemv.available() if kernel == "auto" else kernel is not None
         self.gemv_weights = (int4_gemv.pack(q, scale, zero) if weight.device.type == "cpu"
-                             and int4_gemv.available() else None)
+                             and gemv else None)
         deq = ((q.float().reshape(n, -1, INT4_GROUP) - 8.0) * scale.float()[..., None]
                + zero.float()[..., None])
         self.register_buffer("weight_bf16", deq.reshape(n, k).to(torch.bfloat16).contiguous())
@@ -270,8 +274,10 @@ class Linear(nn.Module):
         self.prompt_rows_fn = None
         return super()._apply(fn, recurse)
 
-    def quantize(self, kind: str) -> None:
-        self.quantized = QUANTIZED_WEIGHTS[kind](self.weight, self.bias)
+    def quantize(self, kind: str, kernel: str | None = "auto") -> None:
+        """Swap the weights for the ``kind`` form, run by the native extension ``kernel``
+        (the linear method's; None: PyTorch ops; "auto": the best this CPU runs)."""
+        self.quantized = QUANTIZED_WEIGHTS[kind](self.weight, self.bias, kernel=kernel)
         del self.weight
         self.weight = None  # type: ignore[assignment]
         self.bias = None
@@ -316,10 +322,11 @@ class LMHead(nn.Module):
     """hidden → float32 logits, over a weight [vocab, hidden] (the tied embedding table or
     the model's own head); 8-bit (`HEAD_WEIGHTS`) when the model is quantized."""
 
-    def __init__(self, weight: torch.Tensor, quantization: str | None):
+    def __init__(self, weight: torch.Tensor, quantization: str | None,
+                 kernel: str | None = "auto"):
         super().__init__()
         self.quantized = (None if quantization is None
-                          else HEAD_WEIGHTS[quantization](weight, None))
+                          else HEAD_WEIGHTS[quantization](weight, None, kernel=kernel))
         self.weight = None if quantization is not None else weight
         # onednn_pack's copy (the weight itself may be the embedding table, still needed).
         self.onednn_weight: torch.Tensor | None = None

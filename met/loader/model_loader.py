@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from met.kernels.registry import KernelPlan, LinearSpec
+from met.kernels.registry import plan as plan_kernels
 from met.loader.auto_quant import choose_quantization
 from met.loader.resolve import ModelSource, resolve_model
 from met.loader.safetensors_dir import config_eos_ids, generation_eos_ids, iter_safetensors
@@ -28,18 +30,25 @@ class LoadedModel:
     max_model_len: int
     source: ModelSource
     quantization: str | None = None  # what the model runs with ("auto" already decided)
+    kernel_plan: KernelPlan | None = None  # the linear method and attention backend chosen
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None, cache_dir: str | None = None,
                quantization: str | None = None, max_num_seqs: int = 64,
-               dtype_from_auto: bool = False) -> LoadedModel:
+               dtype_from_auto: bool = False, linear_backend: str = "auto",
+               attention_backend: str = "auto") -> LoadedModel:
     """Resolve, read config/tokenizer, build the model class and load weights into it.
 
     quantization is "int8", "int4", "w8a8", "w4a8", None, or "auto" (decided here from the loaded
     weights and ``max_num_seqs``, the most sequences the engine will decode at once;
     ``dtype_from_auto``: the dtype is ``--dtype auto``'s pick, not one asked for by name).
+    ``linear_backend`` / ``attention_backend``: registry entries forced by name (a forced
+    entry that cannot run here is a ValueError saying why, before any weight is read).
     """
+    if quantization != "auto":  # fail fast on a forced entry this machine cannot run
+        plan_kernels(LinearSpec(quantization, dtype, device.type), linear_backend,
+                     attention_backend)
     source = resolve_model(model, cache_dir)
     if source.kind == "gguf":
         from met.loader.gguf import load_gguf
@@ -75,12 +84,15 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         choice = choose_quantization(net, dtype, device, max_num_seqs, dtype_from_auto)
         log.info("quantization auto → %s", choice.reason)
         quantization = choice.quantization
-    net.prepare(quantization)
+    plan = plan_kernels(LinearSpec(quantization, dtype, device.type), linear_backend,
+                        attention_backend)
+    log.info("%s", plan.describe())
+    net.prepare(quantization, plan.linear.kernel)
     net.eval()
     log.info("loaded %s (%s, quantization %s) from %s", type(net).__name__, dtype,
              quantization or "none", source.path)
     return LoadedModel(net, config, tokenizer, chat_template, frozenset(eos), max_len, source,
-                       quantization)
+                       quantization, plan)
 
 
 def _is_multimodal(config: Any) -> bool:

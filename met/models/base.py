@@ -50,10 +50,11 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden rows."""
 
-    def prepare(self, quantization: str | None = None) -> None:
+    def prepare(self, quantization: str | None = None, kernel: str | None = "auto") -> None:
         """After loading: fuse projections that share an input (q/k/v, gate/up), give the
         model its LM head, and with ``quantization`` ("int8", "int4", "w8a8" or "w4a8") make every
-        linear layer (and the head) quantized."""
+        linear layer (and the head) quantized, run by the native extension ``kernel`` (the
+        linear method's, `met.kernels.registry`; None: PyTorch ops)."""
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or "
                              f"None, got {quantization!r}")
@@ -61,7 +62,7 @@ class CausalLM(nn.Module, ABC):
             fuse = getattr(module, "fuse_projections", None)
             if fuse is not None:
                 fuse()
-        self.lm_head = LMHead(self.lm_head.weight, quantization)  # 8-bit when quantized
+        self.lm_head = LMHead(self.lm_head.weight, quantization, kernel)  # 8-bit when quantized
         self.row_attention = quantization in ("w8a8", "w4a8")
         # A quantized model is not the exact float32 reference: its float32 activations may
         # take the fused element-wise ops too (met/kernels/fused_ops.py).
@@ -69,7 +70,7 @@ class CausalLM(nn.Module, ABC):
         if quantization is not None:
             for module in self.modules():
                 if isinstance(module, Linear):
-                    module.quantize(quantization)
+                    module.quantize(quantization, kernel)
         for param in self.parameters():  # the GGUF integers were needed only for int4
             if getattr(param, "q4_blocks", None) is not None:
                 param.q4_blocks = None

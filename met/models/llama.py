@@ -7,8 +7,6 @@ They share one decoder; config flags switch on qkv bias (Qwen2), per-head q/k RM
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +18,7 @@ from met.layers import layer_stack
 from met.layers.activations import get_activation
 from met.layers.attention import KVCache, attend_cached, paged_attention
 from met.layers.batch import ForwardBatch
+from met.layers.fused_layer import FusedLayer
 from met.layers.linear import Embedding, Linear, LMHead, fuse_linears
 from met.layers.moe import SparseMoE
 from met.layers.norms import RMSNorm
@@ -166,29 +165,6 @@ class DecoderLayer(nn.Module):
             num_kv_heads=attn.num_kv_heads, scale=attn.scale, window=attn.sliding_window,
             post_norm=post.weight, post_eps=post.eps, next_norm=next_norm.weight,
             next_eps=next_norm.eps)
-
-
-@dataclass(frozen=True, slots=True)
-class FusedLayer:
-    """A decoder layer's modules and tensors, looked up once for the fused bfloat16 CPU path
-    (a decode step runs ~30 layers × ~10 lookups, each a few hundred ns through nn.Module)."""
-
-    # The Linear modules' forward(x, prompt_rows) (ForwardBatch.prompt_rows).
-    qkv_proj: Callable[[torch.Tensor, int], torch.Tensor]
-    o_proj: Callable[[torch.Tensor, int], torch.Tensor]
-    gate_up_proj: Callable[[torch.Tensor, int], torch.Tensor]
-    down_proj: Callable[[torch.Tensor, int], torch.Tensor]
-    splits_prompt_rows: bool  # every projection has a prompt-rows kernel
-    cos: torch.Tensor  # the rotary tables, float32
-    sin: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    scale: float
-    window: int | None
-    post_norm: torch.Tensor  # post-attention RMSNorm weight and eps
-    post_eps: float
-    next_norm: torch.Tensor  # the next layer's input norm (the final norm after the last)
-    next_eps: float
 
 
 def _make_mlp(config: Any, idx: int, dtype: torch.dtype) -> nn.Module:

@@ -9,7 +9,7 @@ import torch
 from met.kernels import kv_cache
 from met.layers.batch import ForwardBatch, SeqSpan
 from met.models.base import CausalLM
-from met.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from met.runner.batch_plan import BatchPolicy, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,10 @@ class ModelRunner:
     """Runs the model over the flat batch of one step and returns the logits to sample."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto"):
+                 dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto",
+                 *, policy: BatchPolicy):
         self.model = model
-        self.prompt_rows_first = model.prompt_rows_first  # decided once the model is prepared
+        self.policy = policy  # the engine's, decided once (`BatchPolicy`)
         self.block_size = block_size
         self.device = device
         layers, kv_heads, head_dim = model.kv_layout
@@ -49,7 +50,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
-        items, prompt_rows = self._batch_order(step)
+        items, prompt_rows = self.policy.order(step.scheduled)
         batch, sample_rows, sample_ids = self._build_batch(items, prompt_rows, block_tables)
         hidden = self.model(batch, self.kv_caches)
         prompt_logits = self._prompt_logits(items, hidden)
@@ -57,20 +58,6 @@ class ModelRunner:
             return StepLogits([], torch.empty(0), prompt_logits)
         rows = torch.tensor(sample_rows, device=self.device)
         return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]), prompt_logits)
-
-    def _batch_order(self, step: SchedulerOutput) -> tuple[list[ScheduledRequest], int]:
-        """The step's requests in batch order, and how many rows of prompt chunks lead it:
-        as scheduled (0), or, for a model that runs prompt positions through their own
-        kernels (`CausalLM.prompt_rows_first`), prompt chunks first (the scheduler never
-        mixes prompt and generated tokens in a chunk)."""
-        if not self.prompt_rows_first:
-            return step.scheduled, 0
-        prompt: list[ScheduledRequest] = []
-        generated: list[ScheduledRequest] = []
-        for item in step.scheduled:
-            req = item.request
-            (prompt if req.num_computed_tokens < req.num_prompt_tokens else generated).append(item)
-        return prompt + generated, sum(item.num_new_tokens for item in prompt)
 
     def _prompt_logits(self, items: list[ScheduledRequest],
                        hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:

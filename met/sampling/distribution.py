@@ -5,8 +5,8 @@ the inverse CDF (`inverse_cdf_draw`).
 Cost on a CPU matters at every step: a 49k-token vocabulary, 64 rows. An exponential race
 (one Exp(1) draw per token) took ~1 ms a row and a full sort for top-k / top-p ~2 ms a row;
 here top-k takes the k largest logits (torch.topk) and the steps after it read only those;
-top-p's cut comes from one pass and a select, applied in place (sampler_ops.top_p_cut_); the draw sums
-blocks of the row before it sums tokens; every step edits one working copy in place.
+top-p's cut comes from one pass and a select, applied in place (sampler_ops.top_p_cut_); the
+draw sums blocks of the row before it sums tokens; every step edits one working copy in place.
 """
 
 from __future__ import annotations

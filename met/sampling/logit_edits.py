@@ -5,14 +5,16 @@ penalties only the tokens a row has seen."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from met.scheduler.request import Request
+from met.sampling.row import SamplingRow
 
 _NEG_INF = float("-inf")
 
 
-def process_logits(logits: torch.Tensor, requests: list[Request], *,
+def process_logits(logits: torch.Tensor, requests: Sequence[SamplingRow], *,
                    copy: bool = False) -> torch.Tensor:
     """The logit edits every row gets, greedy or not, made on a float32 copy; ``logits``
     itself when no request asks for any and ``copy`` is off (copying 64 rows of a 49k
@@ -31,7 +33,7 @@ def process_logits(logits: torch.Tensor, requests: list[Request], *,
     return logits
 
 
-def _edits_logits(r: Request) -> bool:
+def _edits_logits(r: SamplingRow) -> bool:
     """Whether any stage of `process_logits` touches this request's row."""
     p = r.params
     return bool(r.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
@@ -45,7 +47,7 @@ def _index(rows: list[int], cols: list[int], device: torch.device
     return (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
 
 
-def _add_to_logits(logits: torch.Tensor, requests: list[Request], additions) -> None:
+def _add_to_logits(logits: torch.Tensor, requests: Sequence[SamplingRow], additions) -> None:
     """logits[i, t] += a for every (t, a) of additions(request i): one scatter-add for the
     whole batch (LZ, DRY and logit_bias touch a few tokens per row)."""
     rows: list[int] = []
@@ -61,7 +63,7 @@ def _add_to_logits(logits: torch.Tensor, requests: list[Request], additions) -> 
                           torch.tensor(amounts, device=logits.device), accumulate=True)
 
 
-def _rows(requests: list[Request], active) -> list[int]:
+def _rows(requests: Sequence[SamplingRow], active) -> list[int]:
     return [i for i, r in enumerate(requests) if active(r.params)]
 
 
@@ -90,7 +92,7 @@ def _occurrences(seqs: list[list[int]], vocab: int, device: torch.device
     return which[real], ids[real], counts[real]
 
 
-def _mask_until_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def _mask_until_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     for i, r in enumerate(requests):
         if r.num_output_tokens < r.params.min_tokens:
             stop_ids = set(r.params.stop_token_ids)
@@ -100,7 +102,7 @@ def _mask_until_min_tokens(logits: torch.Tensor, requests: list[Request]) -> Non
                 logits[i, list(stop_ids)] = _NEG_INF
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_repetition_penalty(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     """HF / vLLM rule over the last ``repetition_penalty_window`` tokens (prompt included):
     a seen token's logit is divided by the penalty when positive, multiplied when not."""
     rows = _rows(requests, lambda p: p.repetition_penalty != 1.0)
@@ -116,7 +118,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> 
     logits[at, ids] = torch.where(seen > 0, seen / pen, seen * pen)
 
 
-def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_presence_frequency(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     """OpenAI's rule over the generated tokens: logit -= frequency·count + presence·[count>0]."""
     rows = _rows(requests, lambda p: p.presence_penalty != 0 or p.frequency_penalty != 0)
     if not rows:
@@ -150,8 +152,8 @@ def lz_counts(tokens: list[int]) -> dict[int, int]:
     return out
 
 
-def _apply_lz_penalty(logits: torch.Tensor, requests: list[Request]) -> None:
-    def additions(r: Request) -> list[tuple[int, float]]:
+def _apply_lz_penalty(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
+    def additions(r: SamplingRow) -> list[tuple[int, float]]:
         if r.params.lz_penalty == 0:
             return []
         return [(t, -r.params.lz_penalty * c) for t, c in lz_counts(r.all_token_ids).items()]
@@ -201,8 +203,8 @@ def dry_match_lengths(tokens: list[int], breakers: frozenset[int]) -> dict[int, 
     return out
 
 
-def _apply_dry(logits: torch.Tensor, requests: list[Request]) -> None:
-    def additions(r: Request) -> list[tuple[int, float]]:
+def _apply_dry(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
+    def additions(r: SamplingRow) -> list[tuple[int, float]]:
         p = r.params
         if p.dry_multiplier == 0:
             return []
@@ -213,7 +215,7 @@ def _apply_dry(logits: torch.Tensor, requests: list[Request]) -> None:
     _add_to_logits(logits, requests, additions)
 
 
-def _apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_bad_words(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     """Ban the token that would complete a bad word: its last token, whenever the output
     ends with the word's other tokens (always, for a one-token word)."""
     rows: list[int] = []
@@ -231,7 +233,7 @@ def _apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
         logits[_index(rows, cols, logits.device)] = _NEG_INF
 
 
-def _apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_allowed_token_ids(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     rows = _rows(requests, lambda p: p.allowed_token_ids is not None)
     if not rows:
         return
@@ -242,5 +244,5 @@ def _apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> N
     logits[idx] = logits[idx].masked_fill(~keep, _NEG_INF)
 
 
-def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     _add_to_logits(logits, requests, lambda r: r.params.logit_bias or ())

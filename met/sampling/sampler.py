@@ -15,6 +15,7 @@ model distribution.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ from met.kernels import sampler_ops
 from met.sampling.distribution import inverse_cdf_draw, sampling_candidates
 from met.sampling.grammar import apply_grammar_masks
 from met.sampling.logit_edits import process_logits
-from met.scheduler.request import Request
+from met.sampling.row import SamplingRow
 
 _NEG_INF = float("-inf")
 
@@ -44,7 +45,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRow]) -> SampleResult:
         logits = logits.float()
         # Logprobs of the raw model distribution, for the rows that ask for them.
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -76,7 +77,7 @@ class Sampler:
                 logprobs[i] = entry
         return SampleResult(token_list, logprobs, dead_ends)
 
-    def _draw(self, logits: torch.Tensor, rows: list[int], requests: list[Request]
+    def _draw(self, logits: torch.Tensor, rows: list[int], requests: Sequence[SamplingRow]
               ) -> torch.Tensor:
         """Tokens for ``rows`` of ``logits`` (all sampled, one top_k), one uniform from each
         request's generator (the engine's for unseeded ones)."""
@@ -101,11 +102,11 @@ class Sampler:
         return picked
 
 
-def _has_structure(requests: list[Request]) -> bool:
+def _has_structure(requests: Sequence[SamplingRow]) -> bool:
     return any(r.grammar is not None or r.thinking is not None for r in requests)
 
 
-def _apply_structure(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def _apply_structure(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> list[int]:
     """Grammar masks (outside thinking), then tokens a thinking budget forces. Returns the
     rows left with no allowed token."""
     if not _has_structure(requests):

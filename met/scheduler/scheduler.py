@@ -5,43 +5,27 @@ the rest of the prompt for a prefill. A non-final chunk ends on a KV block bound
 later chunks stay on the block grid. When blocks run out the newest running request is
 preempted: its blocks are freed (their hashes stay cached) and it re-prefills later.
 
-With ``prompt_end_apart`` (a model that runs prompt and generated positions through
-different kernels, `CausalLM.prompt_rows_first`) a chunk never holds both: the recompute of a
-preempted request runs its prompt, then its generated tokens, as separate chunks.
+With ``split_at_prompt_end`` (set by the engine from its `BatchPolicy`) a chunk never holds
+both prompt and generated tokens: the recompute of a preempted request runs its prompt, then
+its generated tokens, as separate chunks.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from met.cache.kv_manager import KVCacheManager
+from met.runner.batch_plan import ScheduledRequest, SchedulerOutput
 from met.scheduler.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens to compute this step, starting at num_computed_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
     """Owns the waiting queue and running list; decides what each step computes."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prompt_end_apart: bool = False):
+                 split_at_prompt_end: bool = False):
         self.kv = kv
-        self.prompt_end_apart = prompt_end_apart
+        self.split_at_prompt_end = split_at_prompt_end
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -114,7 +98,7 @@ class Scheduler:
 
     def _chunk_len(self, req: Request, start: int, budget: int) -> int:
         end = req.num_tokens
-        if self.prompt_end_apart and start < req.num_prompt_tokens:
+        if self.split_at_prompt_end and start < req.num_prompt_tokens:
             end = req.num_prompt_tokens
         remaining = end - start
         if remaining <= budget:

@@ -21,6 +21,8 @@ class _CountingCore:
     """Stands in for EngineCore: one token per step for one request, finished after STEPS;
     each step records how many items the consumer had received when it began."""
 
+    kernel_labels = ()  # EngineCore's kernel-plan labels (none here)
+
     def __init__(self, received: list):
         self.received = received
         self.requests: dict[str, int] = {}

@@ -56,8 +56,11 @@ def alone(make):
 
 def test_the_split_runs_where_the_cpu_has_amx_bf16(make):
     llm = make()
-    assert llm.engine.runner.prompt_rows_first == w4a8.prompt_rows_available()
-    assert llm.engine.scheduler.prompt_end_apart == llm.engine.runner.prompt_rows_first
+    policy = llm.engine.batch_policy  # decided once by the engine, passed down
+    assert policy.prompt_rows_first == w4a8.prompt_rows_available()
+    assert llm.engine.runner.policy is policy
+    assert llm.engine.scheduler.split_at_prompt_end == policy.prompt_rows_first
+    assert llm.engine.kv.separate_generated == policy.prompt_rows_first
 
 
 def test_prompt_rows_attend_on_tiles_where_heads_are_64_wide(make, head_dim, monkeypatch):
@@ -71,7 +74,7 @@ def test_prompt_rows_attend_on_tiles_where_heads_are_64_wide(make, head_dim, mon
     monkeypatch.setattr(attention, "prompt_attention", counting)
     llm = make(enable_prefix_caching=False)
     _run(llm, _prompts()[:2])
-    expected = head_dim == 64 and llm.engine.runner.prompt_rows_first
+    expected = head_dim == 64 and llm.engine.batch_policy.prompt_rows_first
     assert expected == (head_dim == 64 and prompt_attention_available())
     # Two layers, each attending both prompts' rows in one call (one step: 3 + 16 rows).
     assert calls == ([19, 19] if expected else [])
@@ -97,7 +100,7 @@ def test_preemption_recomputes_generated_tokens_as_generated_rows(make, alone, h
 
 def test_prefix_cache_hits_equal_a_cold_run_including_a_repeated_reply(make, alone):
     llm = make()
-    split = llm.engine.runner.prompt_rows_first
+    split = llm.engine.batch_policy.prompt_rows_first
     assert _run(llm, _prompts()) == alone
     again = llm.generate([{"prompt_token_ids": p} for p in _prompts()], TOP2)
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in again] == alone

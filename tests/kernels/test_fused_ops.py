@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from met import LLM, SamplingParams
 from met.kernels import fused_ops, kv_cache, sampler_ops
-from met.layers import layer_stack
 from met.kernels.kv_cache import KVCache
+from met.layers import layer_stack
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding
 
@@ -113,7 +113,7 @@ def test_rope_to_int8_cache_quantizes_like_write_kv(t, head_dim):
     assert torch.equal(q, qk[:, :h])
     v = qkv[:, (h + hkv) * head_dim:].view(t, hkv, head_dim)
     kv_cache.write_kv(ref, slots, qk[:, h:], v)
-    for got, want in zip(fused, ref, strict=True):
+    for got, want in zip(fused[:4], ref[:4], strict=True):  # k, v and their scales
         assert torch.equal(got, want)  # untouched slots stay zero in both
     # Dequantized, every row is within half a step of what a bfloat16 cache would hold.
     keys, values = kv_cache.gather_kv(fused, slots, torch.float32)

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
+from met.kernels.kv_cache import KVCache, allocate
 from met.kernels.prompt_attention import (
     prompt_attention,
     prompt_attention_applies,
     prompt_attention_available,
 )
-from met.kernels.kv_cache import KVCache, allocate
 
 SLOTS = 4096
 BLOCK = 16

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from met.kernels import w4a8
-from met.layers.linear import Linear, LMHead
 from met.kernels.w4a8 import Int4Dynamic, Int8Blocks
+from met.layers.linear import Linear, LMHead
 from met.loader.gguf import Q4Blocks
 
 SHAPES = [(960, 576), (576, 1536), (37, 96), (1000, 64)]  # (out, in); off the 64-channel tiles

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from met.kernels import w8a8
-from met.layers.linear import Linear, LMHead
 from met.kernels.w8a8 import Int8Dynamic
+from met.layers.linear import Linear, LMHead
 
 # (out_features, in_features): the embedded model's shapes, sizes off the kernels' tiles.
 SHAPES = [(960, 576), (576, 1536), (37, 100), (1000, 64), (70, 6)]

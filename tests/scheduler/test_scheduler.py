@@ -70,3 +70,21 @@ def test_no_admission_past_max_num_seqs():
     assert set(_advance(sched)) == {"r0", "r1"}
     sched.finish(sched.running[0], "stop")
     assert set(_advance(sched)) == {"r1", "r2"}
+
+
+def test_split_at_prompt_end_recomputes_prompt_and_output_as_separate_chunks():
+    """The engine's batch policy may ask that no chunk hold both prompt and generated
+    tokens (`BatchPolicy.split_chunks_at_prompt_end`): a preempted request's recompute then
+    runs its prompt, then its generated tokens; without it, one chunk holds both."""
+    for split, recompute in ((True, [20, 4]), (False, [24])):
+        kv = KVCacheManager(64, BS, enable_prefix_caching=False)
+        sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=512,
+                          split_at_prompt_end=split)
+        req = _req("a", 20)
+        sched.add(req)
+        for _ in range(4):  # the prompt, then 3 decodes: 4 tokens generated
+            _advance(sched)
+        assert req.num_tokens == 24
+        sched.running.remove(req)  # as schedule() pops its victim
+        sched._preempt(req)
+        assert [_advance(sched)["a"] for _ in recompute] == recompute, split

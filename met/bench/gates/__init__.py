@@ -21,6 +21,10 @@ GATES: dict[str, Gate] = {g.name: g for g in (
          "the same with the prompt's prefix already in the prefix cache (checked via "
          "usage cached_tokens), median <= ceiling",
          perf.configure_ttft_warm, perf.run_ttft),
+    Gate("first-request",
+         "a server started with no native kernels built: the first request's TTFT after "
+         "ready within max_ratio of the median of the next ones (nothing compiles late)",
+         perf.configure_first_request, perf.run_first_request, fresh_kernels=True),
     Gate("kat-equality",
          "fixed prompts (greedy and seeded sampling) byte-identical one at a time, all at "
          "once, and all at once in reverse order",

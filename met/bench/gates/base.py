@@ -42,6 +42,9 @@ class Gate:
     configure: Callable[[dict[str, Any], Path | None], Any]
     run: Callable[[GateContext, Any], Awaitable[GateOutcome]]
     needs_floors: bool = True
+    # Start the server with an empty native-kernel build cache (what a machine that never
+    # built them sees): the server must build them before it reports ready.
+    fresh_kernels: bool = False
 
 
 def require(section: dict[str, Any], key: str, path: Path | None, gate: str) -> Any:

@@ -1,4 +1,4 @@
-"""Speed gates: concurrency-sweep, decode-floor, ttft-cold, ttft-warm."""
+"""Speed gates: concurrency-sweep, decode-floor, ttft-cold, ttft-warm, first-request."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from met.bench.floors import get
 from met.bench.gates.base import GateContext, GateOutcome, per_key_floats, require
 from met.bench.loadgen import RequestResult, stream_request
 from met.bench.progress import Progress
-from met.bench.prompts import measure_shape, prompt_set
+from met.bench.prompts import measure_shape, prompt_set, words
 from met.bench.records import Check
 from met.bench.sweep import SweepSettings, run_sweep
 
@@ -168,4 +168,46 @@ async def run_ttft(ctx: GateContext, cfg: TtftConfig) -> GateOutcome:
                 checks.append(Check.of(f"len{n}.cached_tokens_min", low, ">=", n // 2))
     metrics["config"] = asdict(cfg) | {"max_ttft_ms": {str(k): v for k, v in
                                                       cfg.max_ttft_ms.items()}}
+    return GateOutcome(metrics=metrics, checks=checks)
+
+
+# ---------------------------------------------------------------- first-request
+
+
+@dataclass(frozen=True)
+class FirstRequestConfig:
+    isl: int
+    runs: int  # warm requests after the first
+    max_ratio: float  # first TTFT / median warm TTFT
+
+
+def configure_first_request(section: dict[str, Any], path: Path | None) -> FirstRequestConfig:
+    g = "first-request"
+    cfg = FirstRequestConfig(int(get(section, "isl", 110, path, g)),
+                             int(get(section, "runs", 5, path, g)),
+                             float(require(section, "max_ratio", path, g)))
+    if cfg.runs < 1:
+        raise ValueError(f"{path}: [{g}] runs must be >= 1")
+    return cfg
+
+
+async def run_first_request(ctx: GateContext, cfg: FirstRequestConfig) -> GateOutcome:
+    """The first request the server ever serves, then ``runs`` more like it (fresh prompts
+    of the same length, one token each): what a late kernel build would cost shows as a
+    first TTFT far above the rest."""
+    # No measure_shape here: its probes would be the first requests. ``isl`` words.
+    prompts = [words(cfg.isl, 4242 + i) for i in range(cfg.runs + 1)]
+    results: list[RequestResult] = []
+    for p in prompts:
+        results.append(await stream_request(ctx.client, ctx.target, ctx.target.body(p, 1)))
+    first, rest = results[0], results[1:]
+    warm = [r.ttft * 1000 for r in rest if r.ok and r.ttft is not None]
+    first_ms = None if first.ttft is None else round(first.ttft * 1000, 1)
+    warm_ms = round(statistics.median(warm), 1) if warm else None
+    ratio = (round(first_ms / warm_ms, 3) if first_ms is not None and warm_ms else None)
+    metrics = {"isl_words": cfg.isl, "prompt_tokens": first.prompt_tokens,
+               "first_ttft_ms": first_ms, "warm_ttft_ms_runs": [round(t, 1) for t in warm],
+               "warm_ttft_ms_median": warm_ms, "ratio": ratio}
+    checks = [Check.of("errors", sum(not r.ok for r in results), "==", 0),
+              Check.of("first_over_warm_ttft", ratio, "<=", cfg.max_ratio)]
     return GateOutcome(metrics=metrics, checks=checks)

@@ -23,6 +23,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "met_cpu.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -37,14 +39,7 @@ constexpr int64_t kGroup = 32;  // weights per scale/zero along K
 constexpr int kRows = 2;        // rows per register block
 constexpr int kBlocks = 4;      // channel blocks per register block
 
-bool supported() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-#else
-  return false;
-#endif
-}
+bool supported() { return met_cpu::avx512_bf16(); }
 
 #if defined(__x86_64__)
 #define MET_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))

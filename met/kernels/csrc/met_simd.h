@@ -1,9 +1,11 @@
 // SIMD basics shared by met's CPU kernels (decode_attention.cpp, fused_ops.cpp): runtime ISA
 // dispatch, sixteen-lane vector types, loads/stores, float32 -> bfloat16 rounding and a
 // fixed-order lane sum. Each kernel is its own shared library, so the anonymous namespace
-// keeps these definitions private to it. torch keys a cached build on the .cpp source only:
-// after changing this header, bump the version suffix of the kernels that include it.
+// keeps these definitions private to it. The extensions' names hash every header, so an
+// edit here rebuilds each kernel that includes it.
 #pragma once
+
+#include "met_cpu.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -62,9 +64,7 @@ inline bool wide_vectors() {
   const char* narrow = std::getenv("MET_NARROW_KERNELS");
   if (narrow != nullptr && narrow[0] == '1') return false;
 #if defined(__x86_64__)
-  __builtin_cpu_init();  // this runs as a static initializer: the CPU data may not be set yet
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return met_cpu::avx512();
 #else
   return true;
 #endif

@@ -1,9 +1,10 @@
 // Shared by met's int8-activation kernels (w8a8.cpp, w4a8.cpp): the AVX512-VNNI check and
 // target, bfloat16 loads, tail masks and the float32 / bfloat16 output store. Each kernel is
-// its own shared library, so the anonymous namespace keeps these private to it. torch keys a
-// cached build on the .cpp source only: after changing this header, bump the version suffix
-// of the kernels that include it.
+// its own shared library, so the anonymous namespace keeps these private to it. The
+// extensions' names hash every header, so an edit here rebuilds each kernel that includes it.
 #pragma once
+
+#include "met_cpu.h"
 
 #include <immintrin.h>
 
@@ -13,15 +14,7 @@ namespace {
 
 constexpr int64_t kVnniLanes = 16;
 
-bool vnni_supported() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq");
-#else
-  return false;
-#endif
-}
+bool vnni_supported() { return met_cpu::avx512_vnni(); }
 
 #if defined(__x86_64__)
 #define MET_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))

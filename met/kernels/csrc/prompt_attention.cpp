@@ -22,11 +22,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "met_cpu.h"
+
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -40,26 +39,8 @@ constexpr int64_t kRows = 16;      // query rows per task: a tile's rows
 constexpr int64_t kKeys = 16;      // keys per score tile
 constexpr int64_t kPairKeys = 32;  // keys per value tile (16 pairs); contexts pad to this
 
-// AMX-BF16 and AVX512-BF16 present, and Linux lets this process use the tile registers
-// (the permission is asked for once; oneDNN and the w4a8 kernel ask for the same one).
-bool supported() {
-#if defined(__x86_64__)
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512bf16") ||
-        !__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
-      return false;
-    }
-    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+// AMX-BF16 and AVX512-BF16 present and the tile registers usable by this process.
+bool supported() { return met_cpu::amx_bf16(); }
 
 // One prompt chunk: its query rows are rows q_start .. q_start + q_len of q, the last q_len
 // positions of a context of ctx_len keys whose cache slots are slots[slot_start ..].

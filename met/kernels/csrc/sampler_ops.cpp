@@ -148,10 +148,7 @@ __attribute__((target("avx2"))) void top_p_flags_avx2(const float* p, int64_t wo
     flags[w] = word;
   }
 }
-const bool kTopPFlagsAvx2 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-}();
+const bool kTopPFlagsAvx2 = MET_CPU_HAS("avx2");
 #endif
 
 void top_p_flags(const float* p, int64_t V, float floor, uint64_t* flags) {

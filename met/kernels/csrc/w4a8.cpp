@@ -37,11 +37,6 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
-#if defined(__x86_64__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -58,37 +53,10 @@ constexpr int64_t kStreamOutBytes = int64_t{4} << 20;  // float32 outputs past t
 
 bool supported() { return vnni_supported(); }
 
-// AMX-INT8 present and Linux lets this process use the tile registers (the permission is
-// asked for once; oneDNN asks for the same one when it runs AMX).
-bool amx_supported() {
-#if defined(__x86_64__)
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!vnni_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = d & (1u << 24), int8 = d & (1u << 25);
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return tile && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-// AMX-BF16 and AVX512-BF16 as well (the prompt rows' tiles and their bfloat16 stores).
-bool amx_bf16_supported() {
-#if defined(__x86_64__)
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    __builtin_cpu_init();
-    return amx_supported() && __builtin_cpu_supports("avx512bf16") &&
-           __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+// AMX-INT8 tiles usable by this process; AMX-BF16 and AVX512-BF16 as well (the prompt
+// rows' tiles and their bfloat16 stores).
+bool amx_supported() { return met_cpu::amx_int8(); }
+bool amx_bf16_supported() { return met_cpu::amx_bf16(); }
 
 #if defined(__x86_64__)
 

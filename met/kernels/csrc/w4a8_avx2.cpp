@@ -26,6 +26,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "met_cpu.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -40,15 +42,7 @@ namespace {
 
 constexpr int64_t kHalves = 2 * kBlocks;  // eight-channel halves per group
 
-bool supported() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
+bool supported() { return met_cpu::avx2(); }
 
 bool no_amx() { return false; }
 
