@@ -169,6 +169,19 @@ MET_INLINE Span task_span(const Problem& p, int64_t task) {
   return {i, g, p.slots + begin, L, partial};
 }
 
+// The task loop of every path: tasks begin..end-1 in order, each attended by
+// ``attend(span, next span or nullptr, task)`` (the next one's rows are prefetched). The
+// callback must be an always-inline lambda so it compiles with its clone's target.
+template <typename F>
+MET_INLINE void for_each_task(const Problem& p, int64_t begin, int64_t end, F&& attend) {
+  Span next = task_span(p, begin);
+  for (int64_t task = begin; task < end; ++task) {
+    const Span t = next;
+    if (task + 1 < end) next = task_span(p, task + 1);
+    attend(t, task + 1 < end ? &next : nullptr, task);
+  }
+}
+
 // Requests the cache lines of the next tile's rows while this tile is computed: the rows sit
 // wherever their slots put them, which the hardware prefetchers cannot guess. (Prefetching
 // further ahead into L1 measured slower: the line fill buffers are the limit. The

@@ -421,32 +421,26 @@ MET_INLINE void attend_fast_any(const Problem& p, const Span& t, const Span* nex
 
 MET_CLONES void attend_range_blocked_f32(const Problem& p, int64_t begin, int64_t end,
                                          float* ws) {
-  Span next = task_span(p, begin);
-  for (int64_t task = begin; task < end; ++task) {
-    const Span t = next;
-    if (task + 1 < end) next = task_span(p, task + 1);
-    const Span* ahead = task + 1 < end ? &next : nullptr;
+  for_each_task(p, begin, end, [&](const Span& t, const Span* ahead, int64_t)
+                                   MET_INLINE_LAMBDA {
     if (p.k_scale != nullptr) {
       attend_fast_any<float, int8_t>(p, t, ahead, ws);
     } else {
       attend_fast_any<float, float>(p, t, ahead, ws);
     }
-  }
+  });
 }
 
 MET_CLONES void attend_range_blocked_bf16(const Problem& p, int64_t begin, int64_t end,
                                           float* ws) {
-  Span next = task_span(p, begin);
-  for (int64_t task = begin; task < end; ++task) {
-    const Span t = next;
-    if (task + 1 < end) next = task_span(p, task + 1);
-    const Span* ahead = task + 1 < end ? &next : nullptr;
+  for_each_task(p, begin, end, [&](const Span& t, const Span* ahead, int64_t)
+                                   MET_INLINE_LAMBDA {
     if (p.k_scale != nullptr) {
       attend_fast_any<c10::BFloat16, int8_t>(p, t, ahead, ws);
     } else {
       attend_fast_any<c10::BFloat16, c10::BFloat16>(p, t, ahead, ws);
     }
-  }
+  });
 }
 
 }  // namespace met_decode_attention

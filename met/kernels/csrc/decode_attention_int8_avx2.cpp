@@ -236,24 +236,18 @@ MET_AVX2_TARGET __attribute__((noinline)) void attend_int8_avx2(const Problem& p
 
 MET_CLONES void attend_range_int8_avx2_f32(const Problem& p, int64_t begin, int64_t end,
                                            float* ws) {
-  Span next = task_span(p, begin);
-  for (int64_t task = begin; task < end; ++task) {
-    const Span t = next;
-    if (task + 1 < end) next = task_span(p, task + 1);
-    const Span* ahead = task + 1 < end ? &next : nullptr;
+  for_each_task(p, begin, end, [&](const Span& t, const Span* ahead, int64_t task)
+                                   MET_INLINE_LAMBDA {
     attend_int8_avx2<float>(p, t, ahead, task == begin, ws);
-  }
+  });
 }
 
 MET_CLONES void attend_range_int8_avx2_bf16(const Problem& p, int64_t begin, int64_t end,
                                             float* ws) {
-  Span next = task_span(p, begin);
-  for (int64_t task = begin; task < end; ++task) {
-    const Span t = next;
-    if (task + 1 < end) next = task_span(p, task + 1);
-    const Span* ahead = task + 1 < end ? &next : nullptr;
+  for_each_task(p, begin, end, [&](const Span& t, const Span* ahead, int64_t task)
+                                   MET_INLINE_LAMBDA {
     attend_int8_avx2<c10::BFloat16>(p, t, ahead, task == begin, ws);
-  }
+  });
 }
 #else
 const bool kInt8Avx2 = false;

@@ -172,28 +172,22 @@ MET_INLINE void attend_one(const Problem& p, const Span& t, const Span* next, fl
 
 MET_CLONES void attend_range_tile_f32(const Problem& p, int64_t begin, int64_t end,
                                       float* ws) {
-  Span next = task_span(p, begin);
-  for (int64_t task = begin; task < end; ++task) {
-    const Span t = next;
-    if (task + 1 < end) next = task_span(p, task + 1);
-    const Span* ahead = task + 1 < end ? &next : nullptr;
+  for_each_task(p, begin, end, [&](const Span& t, const Span* ahead, int64_t)
+                                   MET_INLINE_LAMBDA {
     attend_one<float, false>(p, t, ahead, ws);
-  }
+  });
 }
 
 MET_CLONES void attend_range_tile_bf16(const Problem& p, int64_t begin, int64_t end,
                                        float* ws) {
-  Span next = task_span(p, begin);
-  for (int64_t task = begin; task < end; ++task) {
-    const Span t = next;
-    if (task + 1 < end) next = task_span(p, task + 1);
-    const Span* ahead = task + 1 < end ? &next : nullptr;
+  for_each_task(p, begin, end, [&](const Span& t, const Span* ahead, int64_t)
+                                   MET_INLINE_LAMBDA {
     if (p.pairs) {
       attend_one<c10::BFloat16, true>(p, t, ahead, ws);
     } else {
       attend_one<c10::BFloat16, false>(p, t, ahead, ws);
     }
-  }
+  });
 }
 
 }  // namespace met_decode_attention

@@ -14,6 +14,8 @@
 namespace {
 
 #define MET_INLINE inline __attribute__((always_inline))
+// The same for a lambda, so that it compiles with the target of the clone it is in.
+#define MET_INLINE_LAMBDA __attribute__((always_inline))
 
 // Runtime ISA dispatch without -march flags: the compiler emits one clone per target and the
 // dynamic loader picks the best one this CPU supports, so one binary runs on any x86-64. A
