@@ -23,10 +23,10 @@ from met.kernels.native import load_native_ops, native_op
 
 _KEY = "w8a8"
 _GROUP = 64  # output channels per group of the GEMV layout
-# Rows up to which the GEMV kernel is at least as fast as quantize + oneDNN + scale_out:
-# measured on the embedded model's shapes (2-core Sapphire Rapids, docs/benchmarks.md), 16 for
-# the layers (576 x 3072: 73 vs 74 us at 16 rows) and 6 for the 49152-wide LM head (766 vs
-# 801 us at 6 rows, 876 vs 822 at 8). Layers wider than LARGE_WEIGHT weights use the latter.
+# Rows up to which the GEMV kernel is at least as fast as quantize + oneDNN + scale_out on the
+# embedded model's shapes (benchmarks/w4a8_linear.py measures both): the GEMV rereads the
+# activations per output group, which a very wide layer (the LM head) pays for sooner.
+# Layers wider than LARGE_WEIGHT weights use the smaller bound.
 GEMV_MAX_ROWS = 16
 GEMV_MAX_ROWS_LARGE = 6
 LARGE_WEIGHT = 1 << 22

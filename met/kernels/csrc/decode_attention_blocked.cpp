@@ -16,9 +16,9 @@ namespace {
 // caches). Cache rows are read straight into registers (bf16 widened in pair order with one
 // shift or mask per vector) instead of being staged through a tile in memory, each row serves
 // up to three query heads of its group at once, and the value sums stay in registers for the
-// whole context. (Measured on a Sapphire Rapids core: ~1.3-1.4x faster than the tile path at
-// 64 requests x 9/3 heads x 64 dims. Scoring with vdpbf16ps or with AMX tiles instead was
-// not faster: the scores are bound by fetching the rows, not by the multiply-adds.)
+// whole context: faster than the tile path (benchmarks/decode_attention.py). Scoring with
+// vdpbf16ps or with AMX tiles instead was not faster: the scores are bound by fetching the
+// rows, not by the multiply-adds.
 
 // Keys per score block and query heads per block: 3 heads x 8 keys of partial dot products
 // plus the row and query vectors fill the 32 vector registers of AVX-512.
@@ -137,8 +137,7 @@ MET_INLINE void score_block(const T* kg, int64_t s1, const float* row_scale,
 
 // ---- The narrow variant, for CPUs without AVX-512 (16 vector registers of 8 floats) ----
 // There the blocks above do not fit: 3 heads x 8 keys of 16-lane partial sums alone are 48
-// ymm registers, and the compiled loop spent most of its time spilling them (measured on an
-// AMD Zen 3: ~4 GFLOP/s). The narrow scores keep eight 8-lane sums (one head, eight keys) in
+// ymm registers, and the compiled loop spent most of its time spilling them. The narrow scores keep eight 8-lane sums (one head, eight keys) in
 // registers; the value pass keeps two heads x four 8-lane sums. A CPU runs one variant only
 // (chosen once, see kWideVectors), so its results stay reproducible and batch-invariant; the
 // two variants add in different orders.

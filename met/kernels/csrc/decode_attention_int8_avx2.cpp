@@ -13,8 +13,8 @@ namespace met_decode_attention {
 
 // ---- int8 caches on AVX2 CPUs without AVX-512 ----
 // The portable narrow variant (decode_attention_blocked.cpp) converts every int8 row once per
-// head (3 shifts and a convert per eight values, per head) and re-reads it per head group: on
-// an AMD Zen 3 it ran at ~13-20 GMAC/s, a fifth of a 64-request decode step. Here each row is
+// head (3 shifts and a convert per eight values, per head) and re-reads it per head group,
+// too slow on CPUs without AVX-512. Here each row is
 // sign-extended and converted once (vpmovsxbd + vcvtdq2ps per eight values) for up to three
 // heads, four keys at a time in registers, in natural element order. Picked once per process
 // (kInt8Avx2), so a machine always adds in one order.
@@ -38,9 +38,7 @@ namespace {
 // row, its scale's line. A decode step's whole cache comes from memory in blocks of a few
 // rows that sit anywhere, which the hardware prefetchers cannot follow; asking kReadAhead rows
 // ahead in one steady stream (rather than in bursts per task) keeps the memory busy without
-// stalling on full miss buffers (Zen 3: random 1 KB blocks stream at ~20 GB/s that way; 64
-// requests x 175 keys over 30 layers' caches took 0.85 ms a call without it, ~0.44 ms with it,
-// 0.32 ms with one layer's cache in L3; 48-192 rows ahead measured alike).
+// stalling on full miss buffers (a wide range of distances ahead measured alike).
 constexpr int64_t kReadAhead = 128;
 
 // Where a task's int8 rows and their scales are: kv head g's cache, read by slot.

@@ -91,7 +91,7 @@ void check_rows(const at::Tensor& t, const char* op, const char* name) {
               op, ": ", name, " must be a contiguous 2-D bfloat16 or float32 CPU tensor");
 }
 
-// Rows per task: enough work per thread to pay for the fork (~5 us).
+// Rows per task: enough work per thread to pay for the fork.
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm", "x");

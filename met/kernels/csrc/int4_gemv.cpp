@@ -4,7 +4,7 @@
 // Int4Weight (met/layers/linear.py) runs few rows through a GEMV kernel and many rows through
 // oneDNN's bfloat16 matmul over the dequantized weights w = bf16((q - 8) * scale + zero).
 // torch's int4 kernel dequantizes to float32 without that rounding, so a row's result changed
-// with the number of rows in its batch (~40 % of outputs one bfloat16 ulp apart, enough to
+// with the number of rows in its batch (many outputs one bfloat16 ulp apart, enough to
 // flip greedy tokens). This kernel rounds each dequantized weight to bfloat16 exactly as the
 // many-rows weights were rounded, then accumulates in float32 with VDPBF16PS: the two paths
 // differ only in the order of the float32 sums, as oneDNN's own kernels do among themselves.

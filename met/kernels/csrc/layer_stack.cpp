@@ -1,9 +1,9 @@
 // A step's decoder layers in one op: the loop of LlamaForCausalLM._forward_fused
 // (met/models/llama.py), op for op, in C++. Each layer there is nine native calls (w4a8
 // projections, rope + cache writes, decode attention, the fused norms and SiLU) plus the
-// Python between them; from Python each call costs ~3 us of argument conversion and
-// dispatch, ~1 ms of a ~9 ms one-stream decode step on a 2-core CPU. Here the same ops are
-// called through the dispatcher's typed handles (~0.2 us each), with the same arguments in
+// Python between them; from Python each call pays argument conversion and dispatch, a
+// visible share of a one-stream decode step. Here the same ops are called through the
+// dispatcher's typed handles (far cheaper per call), with the same arguments in
 // the same order: the result is bitwise the Python loop's.
 //
 // The ops live in other libraries (their names carry a version suffix), so the caller

@@ -250,8 +250,8 @@ MET_VNNI_TARGET void vnni_units(const Problem& p, int64_t u0, int64_t u1) {
     u += last - first;
     if (p.M >= 8) {
       // Two 16-channel blocks per pass for 4-bit weights: a tile's accumulators, integer
-      // sums and unpacked weights then fit in the 32 vector registers (9-12% faster than
-      // four blocks at 16-512 rows on Zen 4, the same bits). 8-bit weights (no unpacking to
+      // sums and unpacked weights then fit in the 32 vector registers (faster than four
+      // blocks from 8 rows on, the same bits). 8-bit weights (no unpacking to
       // share), and fewer rows (below), take all four blocks in one pass.
       const int64_t r0 = first * kTileRows, r1 = std::min(p.M, last * kTileRows);
       constexpr int kPass = kQ8 ? kBlocks : 2;
@@ -336,8 +336,8 @@ MET_AMX_TARGET inline void amx_float_steps_q8(const Problem& p, const int32_t* s
 // The same for 8-bit weights (the LM head), in two passes: first every block's sums (the
 // tile unit streams loads, dot products and stores back to back into `sums`, nb × 16 × 16
 // int32), then the float steps, eight rows at a time over the blocks in order. For the head
-// (49,152 outputs, weights read from memory) this is ~1.2x faster than interleaving; for the
-// 4-bit layers (weights unpacked into L1, sums up to 48 KB at K = 1536) it was slower.
+// (weights read from memory) this beats interleaving; for the 4-bit layers (weights unpacked
+// into L1, sums up to 48 KB at K = 1536) it was slower.
 MET_AMX_TARGET void amx_tile_two_pass(const Problem& p, const int8_t* q, int64_t g, int j,
                                       int64_t m0, int32_t* sums) {
   const int64_t nb = p.K / kK;
@@ -367,8 +367,7 @@ MET_AMX_TARGET void amx_tile_two_pass(const Problem& p, const int8_t* q, int64_t
 // steps that read them. All 16 rows run (padding rows: zero activations and scales), so the
 // sixteen accumulators are named registers (GCC keeps an array of them on the stack and
 // reloads it every block) and each row's scales are one broadcast load from the tile's
-// [block][16] arrays (Problem::tile_s): together 23.4 -> 18.0 ms for
-// a layer's four projections at 1,760 rows and 0.79 -> 0.67 ms at 64 (2 threads).
+// [block][16] arrays (Problem::tile_s), so no step waits on a reload.
 MET_AMX_TARGET void amx_tile_interleaved(const Problem& p, const int8_t* q, int64_t g, int j,
                                          int64_t m0, const __m512i* unpacked) {
   const int64_t nb = p.K / kK;
@@ -573,8 +572,8 @@ MET_AMX_BF16_TARGET void amx_bf16_groups(const Problem& p, const uint16_t* x,
   auto* dq = reinterpret_cast<uint32_t*>(
       (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
   const int64_t full = p.M / 32 * 32;
-  // ~512 KB of activations per chunk (measured at 1,760 rows of the embedded model's
-  // shapes: 128 KB 8.2 ms, 512 KB 7.1-7.4, 1 MB 7.5-7.8 for a layer's four projections).
+  // ~512 KB of activations per chunk: smaller chunks reread the weights more often, larger
+  // ones fall out of L2 (benchmarks/w4a8_linear.py measures the trade).
   const int64_t chunk_rows = std::max<int64_t>(32, (int64_t{512} << 10) / (K * 2) / 32 * 32);
   for (int64_t b0 = g0; b0 < g1; b0 += batch) {
     const int64_t b1 = std::min(g1, b0 + batch);

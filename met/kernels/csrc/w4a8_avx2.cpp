@@ -16,10 +16,8 @@
 // 16-lane blocks, each (row, half) with its int16 block sum and float accumulator, plus the
 // unpacked weights and two activation broadcasts. Full four-row tiles take two halves
 // (R · C = 8): the float accumulators, touched once per block, then live on the stack, and
-// each activation broadcast feeds two VPMADDUBSW instead of one. Zen 3, 30 layers then the
-// head, same process alternating: per layer at 4 / 16 / 64 rows 0.188 / 0.512 / 1.717 ->
-// 0.168 / 0.449 / 1.511 ms, head 1.96 / 5.63 / 19.95 -> 1.84 / 5.30 / 18.39 ms (4 × 1 tiles
-// before; the same float steps per (row, channel) in the same order, so the same bits).
+// each activation broadcast feeds two VPMADDUBSW instead of one (faster than 4 x 1 tiles;
+// the same float steps per (row, channel) in the same order, so the same bits).
 // Keeping the eight accumulators in an explicit scratch array instead measured slower.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -161,9 +159,8 @@ MET_AVX2_TARGET inline void store8(const Problem& p, int64_t r, int64_t n, __m25
 // (a unit reads only half of each 256-byte row, a pattern the hardware prefetcher follows
 // badly), and near a group's end the requests run on into the next group, which follows in
 // memory, so a new unit does not start cold. (Past the last group they run off the buffer:
-// a prefetch never faults.) Zen 3, 1 row, 30 layers in turn then the head (benchmarks/
-// w4a8_linear.py --layers 30): per layer 0.164 -> 0.149 ms with half a block of the unit's own
-// rows 2 blocks on, -> 0.135 so; head 2.0 -> 1.33 -> 1.05 ms (~28 GB/s, the memory's pace).
+// a prefetch never faults.) With it one row runs at the memory's pace (benchmarks/
+// w4a8_linear.py --layers 30 measures it).
 constexpr int64_t kAhead = 4;
 template <bool kQ8>
 MET_AVX2_TARGET inline void prefetch_block(const uint8_t* w, const uint16_t* d,
@@ -200,8 +197,7 @@ MET_AVX2_TARGET void tile(const Problem& p, int64_t g, int64_t m0, int c0) {
   int64_t off[C];
   for (int c = 0; c < C; ++c) off[c] = ((c0 + c) / 2) * 64 + ((c0 + c) % 2) * 32;
   // The rows' pointers, read once: through p.rows each block reloaded them (a chain of three
-  // loads per scale in the block tail, ~40 % of a four-row tile's time). Zen 3, alternating:
-  // per layer 1.46 -> 1.44 ms at 64 rows, 0.433 -> 0.427 at 16, 0.118 -> 0.114 at 1.
+  // loads per scale in the block tail, a large share of a four-row tile's time).
   const int8_t* xq[R];
   const float* xs[R];
   const float* xsq[R];
