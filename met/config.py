@@ -14,8 +14,9 @@ _DTYPES = {
 
 # Quantized linear layers: int8 / int4 weight-only (bfloat16 activations), w8a8 int8 weights
 # and int8 activations per row (met/layers/w8a8.py), w4a8 Q4_1-form weights and int8
-# activations per 32-value block (met/layers/w4a8.py).
-QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+# activations per 32-value block (met/layers/w4a8.py), gguf the GGUF file's own blocks (Q4_K,
+# Q6_K, Q8_0, ...) kept as they are, float32 sums (met/kernels/gguf_blocks.py).
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "gguf")
 # What --quantization / EngineConfig.quantization accept; "none" (or None) turns it off and
 # "auto" lets the loader decide from the model file (met/loader/auto_quant.py).
 QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
@@ -127,9 +128,9 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         # The weight-only and w8a8 kernels take bfloat16 activations; w4a8's take float32
-        # too, so for w4a8 auto stays the machine's choice (float32 where bfloat16 is
-        # emulated).
+        # too, and gguf's sum in float32 either way, so for those auto stays the machine's
+        # choice (float32 where bfloat16 is emulated).
         if (self.dtype == "auto" and self.quantization in QUANTIZATIONS
-                and self.quantization != "w4a8"):
+                and self.quantization not in ("w4a8", "gguf")):
             return torch.bfloat16
         return resolve_dtype(self.dtype, self.device)

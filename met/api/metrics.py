@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from met.engine.async_engine import AsyncEngine
@@ -54,10 +56,18 @@ class ServerMetrics:
                                    "Prompt tokens served from the prefix cache",
                                    ["model_name"], registry=r).labels(**labels)
 
+        self.weight_bytes = Gauge("met_weight_bytes", "Bytes the model's weights take",
+                                  ["model_name"], registry=r).labels(**labels)
+        self.kv_pool_bytes = Gauge("met_kv_pool_bytes", "Bytes the KV cache pool takes",
+                                   ["model_name"], registry=r).labels(**labels)
         self.kernels = Gauge("met_kernel_info", "The kernels this server runs (value 1): "
                              "linear method, attention backend, CPU ISA",
                              ["model_name", "linear", "attention", "cpu_isa"], registry=r)
         self._kernels_set = False
+        # The latest requests' exact latencies, for the terminal dashboard's p50/p99 (the
+        # histograms' buckets are too coarse for that).
+        self.recent_ttft: deque[float] = deque(maxlen=1024)
+        self.recent_tpot: deque[float] = deque(maxlen=1024)
 
     def on_choice_done(self, gen: Generation, c: ChoiceState) -> None:
         self.requests.labels(finish_reason=c.finish_reason or "unknown", **self._labels).inc()
@@ -70,9 +80,12 @@ class ServerMetrics:
                 self.prefix_hits.inc(c.num_cached_tokens)
         if c.first_token_at is not None and c.last_token_at is not None:
             self.ttft.observe(c.first_token_at - gen.arrival)
+            self.recent_ttft.append(c.first_token_at - gen.arrival)
             self.e2e.observe(c.last_token_at - gen.arrival)
             if c.num_tokens > 1:
-                self.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
+                tpot = (c.last_token_at - c.first_token_at) / (c.num_tokens - 1)
+                self.tpot.observe(tpot)
+                self.recent_tpot.append(tpot)
 
     def render(self, engine: AsyncEngine) -> bytes:
         s = engine.stats
@@ -82,6 +95,8 @@ class ServerMetrics:
         if s.kernels and not self._kernels_set:
             self.kernels.labels(**dict(s.kernels), **self._labels).set(1)
             self._kernels_set = True
+        self.weight_bytes.set(s.weight_bytes)
+        self.kv_pool_bytes.set(s.kv_pool_bytes)
         if s.kv is not None:
             self.kv_total.set(s.kv.num_blocks_total)
             self.kv_used.set(s.kv.num_blocks_in_use)

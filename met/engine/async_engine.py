@@ -72,6 +72,8 @@ class EngineStats:
     kv: KVStats | None
     # The kernel plan's labels (linear method, attention backend, CPU ISA), fixed at load.
     kernels: tuple[tuple[str, str], ...] = ()
+    weight_bytes: int = 0  # what the model's weights take (EngineCore.weight_bytes)
+    kv_pool_bytes: int = 0  # what the KV pool takes
 
 
 StreamItem = RequestUpdate | RequestFailed
@@ -332,4 +334,5 @@ class AsyncEngine:
     def _publish(self, core: EngineCore) -> None:
         sched = core.scheduler
         self.stats = EngineStats(len(sched.running), len(sched.waiting), sched.num_preemptions,
-                                 core.kv_stats(), core.kernel_labels)
+                                 core.kv_stats(), core.kernel_labels, core.weight_bytes,
+                                 core.kv_pool_bytes)

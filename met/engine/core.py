@@ -9,7 +9,7 @@ import torch
 
 from met.cache.kv_manager import KVCacheManager, KVStats
 from met.config import EngineConfig
-from met.kernels import native
+from met.kernels import kv_cache, native
 from met.loader.model_loader import LoadedModel, load_model
 from met.runner.batch_plan import BatchPolicy
 from met.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -67,12 +67,14 @@ class EngineCore:
         # How rows are grouped per step for this machine's kernels: asked of the prepared
         # model once, then passed down as a value (the scheduler and cache get plain rules).
         self.batch_policy = BatchPolicy(prompt_rows_first=self.loaded.model.prompt_rows_first)
-        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
-                                  self.device, self.kv_cache_dtype, policy=self.batch_policy)
         plan = self.loaded.kernel_plan
         self.kernel_labels = tuple(plan.labels().items()) if plan is not None else ()
-        if plan is not None and not plan.native_attention:  # --attention-backend torch
-            self.runner.kv_caches = [c._replace(native=False) for c in self.runner.kv_caches]
+        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
+                                  self.device, self.kv_cache_dtype, policy=self.batch_policy,
+                                  native_attention=plan is None or plan.native_attention)
+        # What the weights and the KV pool take (startup line, /metrics).
+        self.weight_bytes = self.loaded.model.weight_bytes()
+        self.kv_pool_bytes = sum(kv_cache.nbytes(c) for c in self.runner.kv_caches)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  separate_generated=self.batch_policy.hash_generated_apart)
         self.scheduler = Scheduler(
@@ -81,8 +83,9 @@ class EngineCore:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%s)", num_blocks,
-                 config.block_size, num_blocks * config.block_size,
+        log.info("memory: weights %.1f MiB, KV pool %.1f MiB (%d blocks x %d tokens = %d "
+                 "tokens, %s)", self.weight_bytes / 2**20, self.kv_pool_bytes / 2**20,
+                 num_blocks, config.block_size, num_blocks * config.block_size,
                  "int8 rows + scales" if self.kv_cache_dtype == "int8" else dtype)
 
     def _resolve_kv_cache_dtype(self) -> str:

@@ -42,14 +42,22 @@ class KVCache(NamedTuple):
 
 
 def allocate(num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype,
-             device: torch.device | str, kv_cache_dtype: str = "auto") -> KVCache:
-    """A zeroed cache of num_slots rows per kv head (int8 + scales for "int8")."""
+             device: torch.device | str, kv_cache_dtype: str = "auto",
+             native: bool = True) -> KVCache:
+    """A zeroed cache of num_slots rows per kv head (int8 + scales for "int8");
+    ``native=False``: read by the PyTorch attention backend only."""
     shape = (num_kv_heads, num_slots, head_dim)
     if kv_cache_dtype == "int8":
         return KVCache(_zeros(shape, torch.int8, device), _zeros(shape, torch.int8, device),
                        _zeros(shape[:2], torch.float32, device),
-                       _zeros(shape[:2], torch.float32, device))
-    return KVCache(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+                       _zeros(shape[:2], torch.float32, device), native)
+    return KVCache(_zeros(shape, dtype, device), _zeros(shape, dtype, device), native=native)
+
+
+def nbytes(cache: KVCache) -> int:
+    """The bytes a layer's cache holds (keys, values and any scales)."""
+    return sum(t.numel() * t.element_size()
+               for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str

@@ -97,6 +97,12 @@ LINEAR_METHODS: tuple[LinearMethod, ...] = (
                  "int4 weight-only GEMV for few rows, bfloat16 for many"),
     LinearMethod("int4-torch", "int4", None, lambda s, c: None,
                  "int4 weights dequantized to bfloat16"),
+    LinearMethod("gguf-native", "gguf", "gguf_blocks",
+                 lambda s, c: _cpu(s) or _needs(c, c.avx2, "AVX2/FMA/F16C"),
+                 "the GGUF file's blocks (Q4_K, Q6_K, Q8_0, ...) decoded in cache, float32 "
+                 "sums (AVX-512 or AVX2)"),
+    LinearMethod("gguf-torch", "gguf", None, lambda s, c: None,
+                 "the GGUF file's blocks dequantized by gguf-py on every call (reference)"),
     LinearMethod("bf16-onednn", None, None, lambda s, c: _cpu(s) or _bf16_onednn(s, c),
                  "bfloat16 weights in oneDNN's pre-packed layout"),
     LinearMethod("torch", None, None, lambda s, c: None, "F.linear (reference)"),

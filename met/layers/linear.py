@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from met.kernels import int4_gemv
+from met.kernels import gguf_blocks, int4_gemv
+from met.kernels.gguf_blocks import Blocks
 from met.kernels.int_activations import IntActivationLinear
 from met.kernels.w4a8 import Int4Dynamic, Int8Blocks, KernelCall
 from met.kernels.w8a8 import Int8Dynamic
@@ -166,8 +167,59 @@ class Int4Weight(_WeightOnly):
         return self._many_rows(x)
 
 
+def attach_blocks(param: torch.Tensor, segments: list[Blocks]) -> None:
+    """Make ``param`` stand for GGUF blocks (``param.gguf``): its data becomes a zero-stride
+    view of one element, so the shape stays and no float copy of the matrix exists."""
+    param.data = torch.zeros(1, dtype=param.dtype, device=param.device).expand(param.shape)
+    param.gguf = segments
+
+
+def blocks_of(param: torch.Tensor | None) -> list[Blocks] | None:
+    """The GGUF blocks ``param`` stands for (`attach_blocks`), or None."""
+    return getattr(param, "gguf", None)
+
+
+class GGUFWeight(nn.Module):
+    """GGUF blocks as they are in the file (``--quantization gguf``); float weights (a float
+    checkpoint, or a float part of a fused projection) are quantized to Q8_0 as llama.cpp's
+    quantizer does. ``forward(x)`` = x Wᵀ (+ bias) in x's dtype, summed in float32
+    (met/kernels/gguf_blocks.py)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: str | None = "auto"):
+        super().__init__()
+        self.segments = blocks_of(weight) or [gguf_blocks.from_float(weight)]
+        self.native = gguf_blocks.available() if kernel == "auto" else kernel is not None
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_features = sum(s.rows for s in self.segments)
+        self.in_features = self.segments[0].cols
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x, x.dtype if x.dtype in _ROW_DTYPES else torch.float32)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def float_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ as float32 (the LM head's logits), never rounded to x's dtype."""
+        return self._product(x, torch.float32)
+
+    def _product(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype not in _ROW_DTYPES:
+            x2 = x2.float()
+        y = gguf_blocks.linear(x2.contiguous(), self.segments, out_dtype, self.native)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def pack(self) -> None:
+        """Nothing to re-lay out: the kernel reads the file's blocks."""
+
+
+_ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the gguf kernel takes and returns
+
+
 QUANTIZED_WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8Dynamic,
-                     "w4a8": Int4Dynamic}
+                     "w4a8": Int4Dynamic, "gguf": GGUFWeight}
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -287,8 +339,17 @@ def fuse_linears(parts: list[Linear]) -> Linear:
     """One Linear computing ``parts`` side by side (outputs concatenated in order): one
     matrix multiply instead of several on the same input."""
     first = parts[0]
-    weight = torch.cat([p.weight.data for p in parts], dim=0)
     has_bias = first.bias is not None
+    if any(blocks_of(p.weight) is not None for p in parts):  # GGUF blocks: stacked as they are
+        segments = gguf_blocks.concat([blocks_of(p.weight) or [gguf_blocks.from_float(p.weight)]
+                                       for p in parts])
+        fused = Linear(first.in_features, sum(p.out_features for p in parts), has_bias,
+                       first.weight.dtype)
+        attach_blocks(fused.weight, segments)
+        if has_bias:
+            fused.bias.data = torch.cat([p.bias.data for p in parts], dim=0)  # type: ignore
+        return fused
+    weight = torch.cat([p.weight.data for p in parts], dim=0)
     fused = Linear(weight.shape[1], weight.shape[0], has_bias, weight.dtype)
     fused.weight.data = weight
     blocks = [getattr(p.weight, "q4_blocks", None) for p in parts]
@@ -308,6 +369,10 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = blocks_of(self.weight)
+        if blocks is not None:  # a GGUF table kept as blocks: decode the rows looked up
+            rows = blocks[0].take_rows(ids.reshape(-1)).dequantize()
+            return rows.to(self.weight.dtype).reshape(*ids.shape, rows.shape[-1])
         return F.embedding(ids, self.weight)
 
 
@@ -315,7 +380,7 @@ class Embedding(nn.Module):
 # it stays 8-bit; under w4a8 in 32-value blocks (GGUF Q8_0's form, llama.cpp's head of a Q4
 # file) with block-quantized activations.
 HEAD_WEIGHTS = {"int8": Int8Weight, "int4": Int8Weight, "w8a8": Int8Dynamic,
-                "w4a8": Int8Blocks}
+                "w4a8": Int8Blocks, "gguf": GGUFWeight}
 
 
 class LMHead(nn.Module):
@@ -332,7 +397,7 @@ class LMHead(nn.Module):
         self.onednn_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.quantized, (Int8Weight, IntActivationLinear)):
+        if isinstance(self.quantized, (Int8Weight, IntActivationLinear, GGUFWeight)):
             return self.quantized.float_product(hidden)
         if self.quantized is not None:
             return self.quantized(hidden).float()

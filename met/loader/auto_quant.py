@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from met.kernels import w4a8
+from met.kernels import gguf_blocks, w4a8
 from met.layers.linear import GEMV_MAX_ROWS, Linear
 
 
@@ -89,3 +89,30 @@ def choose_quantization(net: nn.Module, dtype: torch.dtype, device: torch.device
                                       f"GGUF and the dtype is bfloat16, so int4 keeps the "
                                       f"file's own integers exactly (no AVX512-VNNI or AVX2 "
                                       f"for w4a8)")
+
+
+def choose_gguf_blocks(formats: dict[str, str], device: torch.device
+                       ) -> QuantizationChoice | None:
+    """``gguf`` for a GGUF file whose projections are in other kept formats than Q4_0 /
+    Q4_1 (a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file): its blocks stay as they are, the float32
+    model's values at about the file's size, on the CPU where the kernel runs. None leaves
+    the choice to `choose_quantization` after loading (Q4_0 / Q4_1 files, float files)."""
+    linear = {n: f for n, f in formats.items() if n.endswith("proj.weight")}
+    kept = {n: f for n, f in linear.items()
+            if gguf_blocks.kind_of(f) in gguf_blocks.KEPT_FORMATS}
+    if not linear or not kept or set(kept.values()) <= {"Q4_0", "Q4_1"}:
+        return None
+    if device.type != "cpu" or not gguf_blocks.available():
+        return None
+    counts = ", ".join(f"{n} {f}" for f, n in sorted(_count(kept.values()).items()))
+    return QuantizationChoice("gguf", f"gguf: the file's blocks stay as they are ({counts} "
+                                      f"of {len(linear)} projections; the rest "
+                                      f"dequantized), float32 sums "
+                                      f"(--quantization none: dequantized at load)")
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out

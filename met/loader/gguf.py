@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from met.kernels import gguf_blocks
+from met.kernels.gguf_blocks import Blocks
 from met.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from met.loader.gguf_hf_cache import load_config_and_tokenizer
 
@@ -116,12 +118,15 @@ class GGUFCheckpoint:
     eos_token_ids: list[int]
     path: str
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, keep_blocks: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
         """Yield (hf_parameter_name, float32 tensor) pairs, one tensor at a time.
 
         lm_head.weight is yielded only when the file has its own output.weight; tied models
         reuse model.embed_tokens.weight. MoE experts are yielded one expert at a time as
-        model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight.
+        model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight. ``keep_blocks``: 2-D
+        weights in a kept format (`gguf_blocks.keeps`) come as their `Blocks` instead,
+        the file's bytes (rows reordered where llama.cpp permuted them).
         """
         file = read_gguf(self.path)
         arch = _architecture(file)
@@ -130,7 +135,20 @@ class GGUFCheckpoint:
         block_names = _block_names(arch)
         file.fields.clear()  # the vocabulary is not needed past this point
         for tensor in file.tensors:
-            yield from _convert(tensor, arch, block_names, n_head, n_head_kv)
+            yield from _convert(tensor, arch, block_names, n_head, n_head_kv, keep_blocks)
+
+    def weight_formats(self) -> dict[str, str]:
+        """HF parameter name -> ggml type name of every 2-D weight (read from the tensor
+        table only: what ``--quantization auto`` decides on before loading)."""
+        file = read_gguf(self.path)
+        arch = _architecture(file)
+        names = _block_names(arch)
+        formats = {}
+        for tensor in file.tensors:
+            name = _hf_name(tensor.name, arch, names)
+            if name is not None and len(tensor.shape) == 2:
+                formats[name] = tensor.tensor_type.name
+        return formats
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
@@ -181,14 +199,34 @@ def _block_names(arch: str) -> dict[str, str]:
     return {**_BLOCK_NAMES, **norms}
 
 
+def _hf_name(gguf_name: str, arch: str, block_names: Mapping[str, str]) -> str | None:
+    """The HF parameter a (non-expert) GGUF tensor fills; None for experts and skips."""
+    base, kind = gguf_name.rsplit(".", 1)
+    if base in _SKIPPED_TENSORS:
+        return None
+    if not base.startswith("blk."):
+        return f"{_TOP_LEVEL_NAMES[base]}.{kind}" if base in _TOP_LEVEL_NAMES else None
+    _, layer, part = base.split(".", 2)
+    if part not in block_names:
+        return None
+    return f"model.layers.{int(layer)}.{block_names[part]}.{kind}"
+
+
 def _convert(
     tensor: GGUFTensor,
     arch: str,
     block_names: Mapping[str, str],
     n_head: int,
     n_head_kv: int,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_blocks: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
     """Map one GGUF tensor to the HF parameter(s) it holds, undoing llama.cpp's changes."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if keep_blocks and gguf_blocks.keeps(tensor.tensor_type, shape):
+        name = _hf_name(tensor.name, arch, block_names)
+        if name is not None:
+            yield name, _blocks(tensor, name, arch, n_head, n_head_kv)
+            return
     base, kind = tensor.name.rsplit(".", 1)  # kind is "weight" or "bias"
     if base in _SKIPPED_TENSORS:
         return
@@ -223,6 +261,18 @@ def _convert(
     if blocks is not None:
         weight.q4_blocks = blocks  # type: ignore[attr-defined]  (kept by load_weights)
     yield hf_name, weight
+
+
+def _blocks(tensor: GGUFTensor, name: str, arch: str, n_head: int, n_head_kv: int
+            ) -> Blocks:
+    """The tensor's bytes as `Blocks` (copied out of the memory map), llama.cpp's Q/K row
+    permutation undone on whole rows."""
+    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    if arch in _QK_PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight",
+                                                             "k_proj.weight")):
+        heads = n_head if "q_proj" in name else n_head_kv
+        data = _unpermute_qk(data, heads).contiguous()
+    return Blocks(int(tensor.tensor_type), data, int(tensor.shape[0]))
 
 
 class Q4Blocks(NamedTuple):

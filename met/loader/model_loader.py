@@ -11,7 +11,7 @@ import torch
 
 from met.kernels.registry import KernelPlan, LinearSpec
 from met.kernels.registry import plan as plan_kernels
-from met.loader.auto_quant import choose_quantization
+from met.loader.auto_quant import choose_gguf_blocks, choose_quantization
 from met.loader.resolve import ModelSource, resolve_model
 from met.loader.safetensors_dir import config_eos_ids, generation_eos_ids, iter_safetensors
 from met.models.base import CausalLM
@@ -40,8 +40,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                attention_backend: str = "auto") -> LoadedModel:
     """Resolve, read config/tokenizer, build the model class and load weights into it.
 
-    quantization is "int8", "int4", "w8a8", "w4a8", None, or "auto" (decided here from the loaded
-    weights and ``max_num_seqs``, the most sequences the engine will decode at once;
+    quantization is "int8", "int4", "w8a8", "w4a8", "gguf", None, or "auto" (decided here
+    from the GGUF tensor table, or from the loaded weights and ``max_num_seqs``, the most sequences the engine will decode at once;
     ``dtype_from_auto``: the dtype is ``--dtype auto``'s pick, not one asked for by name).
     ``linear_backend`` / ``attention_backend``: registry entries forced by name (a forced
     entry that cannot run here is a ValueError saying why, before any weight is read).
@@ -54,7 +54,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         from met.loader.gguf import load_gguf
 
         ckpt = load_gguf(source.path)
-        config, tokenizer, weights = ckpt.config, ckpt.tokenizer, ckpt.weights()
+        if quantization == "auto":  # gguf is decided from the tensor table, before loading
+            early = choose_gguf_blocks(ckpt.weight_formats(), device)
+            if early is not None:
+                log.info("quantization auto → %s", early.reason)
+                quantization = early.quantization
+        config, tokenizer = ckpt.config, ckpt.tokenizer
+        weights = ckpt.weights(keep_blocks=quantization == "gguf")
         chat_template = ckpt.chat_template
         eos = set(ckpt.eos_token_ids)
     else:
@@ -89,8 +95,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     log.info("%s", plan.describe())
     net.prepare(quantization, plan.linear.kernel)
     net.eval()
-    log.info("loaded %s (%s, quantization %s) from %s", type(net).__name__, dtype,
-             quantization or "none", source.path)
+    log.info("loaded %s (%s, quantization %s) from %s: weights take %.1f MiB",
+             type(net).__name__, dtype, quantization or "none", source.path,
+             net.weight_bytes() / 2**20)
     return LoadedModel(net, config, tokenizer, chat_template, frozenset(eos), max_len, source,
                        quantization, plan)
 

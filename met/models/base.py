@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from met.config import QUANTIZATIONS
+from met.kernels.gguf_blocks import Blocks
 from met.layers.attention import KVCache
 from met.layers.batch import ForwardBatch
-from met.layers.linear import Linear, LMHead
+from met.layers.linear import Linear, LMHead, attach_blocks, blocks_of
 
 
 class CausalLM(nn.Module, ABC):
@@ -52,7 +53,8 @@ class CausalLM(nn.Module, ABC):
 
     def prepare(self, quantization: str | None = None, kernel: str | None = "auto") -> None:
         """After loading: fuse projections that share an input (q/k/v, gate/up), give the
-        model its LM head, and with ``quantization`` ("int8", "int4", "w8a8" or "w4a8") make every
+        model its LM head, and with ``quantization`` ("int8", "int4", "w8a8", "w4a8" or
+        "gguf") make every
         linear layer (and the head) quantized, run by the native extension ``kernel`` (the
         linear method's, `met.kernels.registry`; None: PyTorch ops)."""
         if quantization is not None and quantization not in QUANTIZATIONS:
@@ -66,7 +68,9 @@ class CausalLM(nn.Module, ABC):
         self.row_attention = quantization in ("w8a8", "w4a8")
         # A quantized model is not the exact float32 reference: its float32 activations may
         # take the fused element-wise ops too (met/kernels/fused_ops.py).
-        self.fused_float32 = quantization is not None
+        # gguf sums in float32 over the file's own values: a float32 model stays the exact
+        # reference, on the plain element-wise ops.
+        self.fused_float32 = quantization not in (None, "gguf")
         if quantization is not None:
             for module in self.modules():
                 if isinstance(module, Linear):
@@ -77,6 +81,24 @@ class CausalLM(nn.Module, ABC):
         for module in self.modules():  # bfloat16 on CPU: oneDNN's weight layout, once
             if isinstance(module, (Linear, LMHead)):
                 module.pack()
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take: parameters and buffers, plus GGUF blocks (each storage
+        counted once: a tied head and its embedding table share theirs)."""
+        seen: dict[int, int] = {}
+        tensors = list(self.parameters()) + list(self.buffers())
+        for module in self.modules():
+            tensors += [s.data for s in getattr(module, "segments", ())]
+            tensors += [t for t in vars(module).values() if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            for s in blocks_of(t) or ():
+                seen[s.data.untyped_storage().data_ptr()] = s.data.untyped_storage().nbytes()
+            try:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            except (NotImplementedError, RuntimeError):  # oneDNN's packed copies: no storage
+                seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → parameter name; None skips the tensor. Override to rename."""
@@ -101,6 +123,14 @@ class CausalLM(nn.Module, ABC):
                     f"checkpoint tensor {ckpt_name!r} matches no parameter of the model"
                 )
             param = params[name]
+            if isinstance(tensor, Blocks):  # kept quantized (`--quantization gguf`)
+                if (tensor.rows, tensor.cols) != tuple(param.shape):
+                    raise ValueError(
+                        f"checkpoint tensor {ckpt_name!r} has shape "
+                        f"{(tensor.rows, tensor.cols)}, the model expects {tuple(param.shape)}")
+                attach_blocks(param, [tensor])
+                loaded.add(name)
+                continue
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "

@@ -173,10 +173,14 @@ def _gaps_from_float32(llm: LLM, float32_greedy) -> list[float]:
     return gaps
 
 
-def test_gemma3_270m_gguf_greedy_matches_transformers(hf_gemma3):
-    """Gemma 3 on a real checkpoint: sliding/global layers, (1 + w) norms, embedding scale."""
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_gemma3_270m_gguf_greedy_matches_transformers(hf_gemma3, quantization):
+    """Gemma 3 on a real checkpoint: sliding/global layers, (1 + w) norms, embedding scale;
+    its Q4_K / Q5_0 / Q6_K / Q8_0 weights dequantized at load (None) or kept as the file's
+    blocks (gguf, what auto picks for this file)."""
     path, hf = hf_gemma3
-    llm = LLM(str(path), dtype="float32", max_model_len=256)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, quantization=quantization)
+    assert llm.engine.quantization == quantization
     ours = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     for text, out in zip(PROMPTS, ours, strict=True):
         assert out.prompt_token_ids == llm.tokenizer(text).input_ids
