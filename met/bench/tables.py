@@ -305,6 +305,13 @@ _LADDERS = {
                 'OUT=.benchmarks/peers/2026-12-05-zen3-sampled bash benchmarks/compare_peers.sh',
         columns=(("met-auto", "met default (float32 + w4a8, int8 KV)"),
                  ("llama-server", "llama.cpp (native build)"))),
+    "gemma-q4km": Ladder(
+        run="2026-12-06-gemma-q4km", machine=EPYC_ZEN4, commit="f4d721e",
+        command='GGUF=gemma-3-270m-q4_k_m.gguf ENGINES="met-auto met llama-server" '
+                'CONCURRENCY=1,32 OSL=64 OUT=.benchmarks/peers/2026-12-06-gemma-q4km '
+                'bash benchmarks/compare_peers.sh',
+        columns=(("met-auto", "met gguf blocks, bf16 rows"), ("met", "met bf16 weights"),
+                 ("llama-server", "llama.cpp"))),
 }
 
 TABLES: dict[str, Table] = {

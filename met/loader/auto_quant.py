@@ -91,24 +91,34 @@ def choose_quantization(net: nn.Module, dtype: torch.dtype, device: torch.device
                                       f"for w4a8)")
 
 
-def choose_gguf_blocks(formats: dict[str, str], device: torch.device
+def choose_gguf_blocks(formats: dict[str, str], device: torch.device, dtype: torch.dtype
                        ) -> QuantizationChoice | None:
-    """``gguf`` for a GGUF file whose projections are in other kept formats than Q4_0 /
-    Q4_1 (a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file): its blocks stay as they are, the float32
-    model's values at about the file's size, on the CPU where the kernel runs. None leaves
-    the choice to `choose_quantization` after loading (Q4_0 / Q4_1 files, float files)."""
+    """For a GGUF whose projections are in other kept formats than Q4_0 / Q4_1 (a Q4_K_M,
+    Q5_K_M, Q6_K or Q8_0 file), decided from its tensor table before loading: ``gguf`` (the
+    blocks as they are, float32 sums: the float32 model's values at about the file's size)
+    in float32, where it is also faster than float32 weights; in bfloat16, none: bfloat16
+    weights on oneDNN decode faster than the block kernel (docs/benchmarks.md), at ~3.5x the
+    memory. None leaves the choice to `choose_quantization` after loading (Q4_0 / Q4_1
+    files, float files)."""
     linear = {n: f for n, f in formats.items() if n.endswith("proj.weight")}
     kept = {n: f for n, f in linear.items()
             if gguf_blocks.kind_of(f) in gguf_blocks.KEPT_FORMATS}
     if not linear or not kept or set(kept.values()) <= {"Q4_0", "Q4_1"}:
         return None
-    if device.type != "cpu" or not gguf_blocks.available():
-        return None
     counts = ", ".join(f"{n} {f}" for f, n in sorted(_count(kept.values()).items()))
-    return QuantizationChoice("gguf", f"gguf: the file's blocks stay as they are ({counts} "
-                                      f"of {len(linear)} projections; the rest "
-                                      f"dequantized), float32 sums "
-                                      f"(--quantization none: dequantized at load)")
+    rest = len(linear) - len(kept)
+    what = f"{counts} of {len(linear)} projections" + (f"; {rest} dequantized" if rest else "")
+    if device.type != "cpu" or not gguf_blocks.available():
+        return QuantizationChoice(None, "none: the GGUF block kernel runs on x86 CPUs with "
+                                        "AVX2 only")
+    if dtype != torch.float32:
+        return QuantizationChoice(None, f"none: K-quant GGUF ({what}); bfloat16 weights "
+                                        f"decode faster than its blocks here "
+                                        f"(--quantization gguf keeps them: weights at the "
+                                        f"file's size)")
+    return QuantizationChoice("gguf", f"gguf: the file's blocks stay as they are ({what}), "
+                                      f"float32 sums over the file's values (--quantization "
+                                      f"none: float32 weights, ~4x the memory)")
 
 
 def _count(values) -> dict[str, int]:

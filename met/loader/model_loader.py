@@ -41,7 +41,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     """Resolve, read config/tokenizer, build the model class and load weights into it.
 
     quantization is "int8", "int4", "w8a8", "w4a8", "gguf", None, or "auto" (decided here
-    from the GGUF tensor table, or from the loaded weights and ``max_num_seqs``, the most sequences the engine will decode at once;
+    from the GGUF tensor table, or from the loaded weights and ``max_num_seqs``, the most
+    sequences the engine will decode at once;
     ``dtype_from_auto``: the dtype is ``--dtype auto``'s pick, not one asked for by name).
     ``linear_backend`` / ``attention_backend``: registry entries forced by name (a forced
     entry that cannot run here is a ValueError saying why, before any weight is read).
@@ -55,7 +56,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
         ckpt = load_gguf(source.path)
         if quantization == "auto":  # gguf is decided from the tensor table, before loading
-            early = choose_gguf_blocks(ckpt.weight_formats(), device)
+            early = choose_gguf_blocks(ckpt.weight_formats(), device, dtype)
             if early is not None:
                 log.info("quantization auto → %s", early.reason)
                 quantization = early.quantization

