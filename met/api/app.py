@@ -21,6 +21,7 @@ from met.api.context import ServerConfig, ServerContext
 from met.api.errors import error_body, install_error_handlers
 from met.api.openai import chat, completions, models, responses
 from met.api.routes import router as server_router
+from met.api.webui import WebChatMiddleware
 from met.engine.async_engine import AsyncEngine, EngineState
 from met.serving.anthropic_protocol import CountTokensRequest, MessagesRequest
 from met.serving.protocol import (
@@ -102,6 +103,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine,
                    anthropic_messages.router, server_router):
         app.include_router(router)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
+    app.add_middleware(WebChatMiddleware)  # outside the key check: the page at / loads keyless
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: 401s get an id too
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
