@@ -46,6 +46,13 @@ def _needs(cap: Capability, ok: bool, what: str) -> str | None:
     return None if ok else f"this CPU has no {what} (ISA {cap.isa})"
 
 
+def _runs(why_not: str | None, kernel: str | None) -> str | None:
+    """An entry's own reason, else whether its native extension (if any) loads."""
+    if why_not is None and kernel is not None:
+        return _loads(kernel)
+    return why_not
+
+
 @dataclass(frozen=True)
 class LinearMethod:
     """One way to run a model's linear layers."""
@@ -61,10 +68,7 @@ class LinearMethod:
         if spec.quantization != self.quantization:
             return (f"runs quantization {self.quantization or 'none'}, the model is "
                     f"{spec.quantization or 'none'}")
-        why = self.why_not(spec, cap)
-        if why is None and self.kernel is not None:
-            why = _loads(self.kernel)
-        return why
+        return _runs(self.why_not(spec, cap), self.kernel)
 
 
 def _bf16_onednn(spec: LinearSpec, cap: Capability) -> str | None:
@@ -119,10 +123,8 @@ class AttentionBackend:
     note: str
 
     def reason(self, device: str, cap: Capability) -> str | None:
-        why = self.why_not(device, cap)
-        if why is None and self.kernel is not None:
-            why = _loads(self.kernel)
-        return why
+        """None when this backend runs on ``device`` here, else why not."""
+        return _runs(self.why_not(device, cap), self.kernel)
 
 
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = (

@@ -108,3 +108,30 @@ def test_every_w4a8_method_gives_the_same_tokens(arch, tiny_checkpoint):
         assert same >= min(16, len(got)), f"diverges from w4a8-torch at step {same}"
         for (_, a), (_, b) in zip(got[:same], ref[:same], strict=True):
             assert abs(a - b) <= 0.2
+
+
+GGUF_HERE = [m.name for m in registry.LINEAR_METHODS if m.quantization == "gguf"
+             and _runs_here(m)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_gguf_method_gives_the_same_tokens(arch, tiny_checkpoint):
+    """--quantization gguf on a float checkpoint (its weights as Q8_0 blocks), float32: the
+    native kernel and the gguf-py reference multiply the same values in float32, so the
+    same greedy tokens, logprobs within 1e-4."""
+    model_dir = tiny_checkpoint(arch)
+    prompts = [{"prompt_token_ids": p} for p in oracle_prompts(arch)]
+    results = {}
+    for name in GGUF_HERE:
+        llm = LLM(str(model_dir), dtype="float32", linear_backend=name, max_model_len=256,
+                  enable_prefix_caching=False)
+        assert llm.engine.loaded.kernel_plan.linear.name == name
+        outs = generate_checked(llm, prompts, greedy_params(logprobs=1))
+        results[name] = [[(tok, float(getattr(lp[tok], "logprob", lp[tok])))
+                          for tok, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                             strict=True)] for o in outs]
+    assert "gguf-torch" in results and len(results) >= 2, results.keys()
+    for name, got in results.items():
+        for a, b in zip(got, results["gguf-torch"], strict=True):
+            assert [t for t, _ in a] == [t for t, _ in b], f"{name} tokens differ"
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
