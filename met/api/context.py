@@ -179,6 +179,10 @@ class ServerContext:
                            f"(--max-queued-requests {limit}); retry later", None, "queue_full",
                            {"Retry-After": "1"})
 
+    def live_generations(self) -> list[Generation]:
+        """The requests admitted and not yet finished (read by the terminal dashboard)."""
+        return list(self._admitted.values())
+
     def _num_admitted_not_started(self) -> int:
         engine = self.engine
         return sum(len(g.choices) for g in list(self._admitted.values())

@@ -9,11 +9,12 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from met.api.app import build_app
 from met.api.context import ServerConfig
@@ -96,8 +97,11 @@ def _server_core(engine_config: EngineConfig) -> EngineCore:
     return core
 
 
-def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Run the server until a signal drains it; 1 if the model failed to load."""
+def serve(engine_config: EngineConfig, config: ServerConfig,
+          attach: Callable[[uvicorn.Server, FastAPI], AbstractContextManager] | None = None
+          ) -> int:
+    """Run the server until a signal drains it; 1 if the model failed to load. ``attach``
+    (the CLI's terminal dashboard) is entered around the run with the server and its app."""
     engine = AsyncEngine(lambda: _server_core(engine_config))
     failed = threading.Event()
     server: _DrainingServer | None = None
@@ -121,5 +125,6 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     log.info("met: serving %r on http://%s:%s — loading %s (dtype %s) in the background; "
              "/health answers 503 until it is ready", config.model_name, config.host, port,
              engine_config.model or "the embedded model", engine_config.dtype)
-    server.run()
+    with attach(server, app) if attach is not None else nullcontext():
+        server.run()
     return 1 if failed.is_set() else 0

@@ -1,0 +1,129 @@
+"""`met serve`: the HTTP server, with a live dashboard when stdout is a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+from met.cli.args import add_engine_args, parse_bytes
+from met.cli.args import engine_config as build_engine_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    add_engine_args(srv)
+    _add_args(srv)
+    srv.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from met.api.context import ServerConfig
+    from met.api.server import serve
+    from met.loader.resolve import resolve_model
+    from met.serving.prompts import load_chat_template
+    from met.serving.validation import RequestLimits
+
+    engine_config = build_engine_config(args)
+    source = resolve_model(engine_config.model, engine_config.cache_dir)  # fail fast, not later
+    names = args.served_model_name or [
+        engine_config.model if engine_config.model else source.path.stem.split(".")[0]]
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("MET_API_KEY"):
+        keys = [os.environ["MET_API_KEY"]]
+    config = ServerConfig(
+        served_model_names=tuple(names), host=args.host, port=args.port, api_keys=tuple(keys),
+        request_timeout=args.request_timeout, max_queued_requests=args.max_queued_requests,
+        log_requests=args.log_requests, max_body_bytes=args.max_request_body,
+        chat_template=load_chat_template(args.chat_template),
+        request_limits=RequestLimits(
+            max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n,
+            max_tokens=args.max_tokens_limit, max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_length, max_tools=args.max_tools,
+            max_tool_schema_bytes=args.max_tool_schema_bytes,
+            max_logit_bias=args.max_logit_bias),
+        rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
+        shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        max_thinking_budget=args.max_thinking_budget,
+        responses_store_max=args.responses_store_max,
+        responses_store_ttl=args.responses_store_ttl,
+    )
+    face = _face(args)
+    if face is None:  # today's plain log (and the call tests replace with a recorder)
+        return serve(engine_config, config)
+    return serve(engine_config, config, attach=face)
+
+
+def _face(args: argparse.Namespace):
+    """What a person at a terminal sees around the server: startup progress and the banner,
+    then the live dashboard (unless --no-tui). None when stdout is not a terminal."""
+    if not sys.stdout.isatty() or os.environ.get("TERM") == "dumb":
+        return None
+    from met.cli.serve_face import ServeFace
+
+    return functools.partial(ServeFace, dashboard=args.tui)
+
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="the name clients use in 'model' (repeatable; default: the MODEL "
+                        "argument)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (repeatable; "
+                        "default $MET_API_KEY)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file or the text) instead of the model's")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds; a request past it finishes with finish_reason 'timeout'")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="at most this many requests wait for a seat (beyond the "
+                        "--max-num-seqs running); more get 503 + Retry-After")
+    p.add_argument("--max-request-body", type=parse_bytes, default=32 << 20,
+                   help="largest request body (413 above it), e.g. 32MiB")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log every request (prompt, parameters, token counts, latency); "
+                        "without it no prompt or output is ever logged")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "mistral", "qwen3_coder"],
+                   help="how tool calls are read from the output (auto: from the chat "
+                        "template; hermes when it shows no format)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                   help="split <think>...</think> into reasoning_content (auto: when the chat "
+                        "template uses <think>)")
+    p.add_argument("--max-thinking-budget", type=int, default=None,
+                   help="cap on thinking tokens for every request of a <think> model (also the "
+                        "scale of reasoning_effort low/medium/high = 1/4, 1/2, all; default "
+                        "16384 for reasoning_effort, no cap otherwise)")
+    p.add_argument("--responses-store-max", type=int, default=1000,
+                   help="most /v1/responses results kept for GET and previous_response_id "
+                        "(oldest dropped first; 0 = store none)")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored /v1/responses result is kept")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
+                        "they end with an error")
+    p.add_argument("--rate-limit-rpm", type=int, default=None,
+                   help="requests per minute per API key (per client address without keys); "
+                        "over it: 429 + Retry-After")
+    p.add_argument("--rate-limit-tpm", type=int, default=None,
+                   help="tokens (prompt + max_tokens) per minute per API key or address")
+    p.add_argument("--no-tui", dest="tui", action="store_false",
+                   help="no live dashboard in a terminal: the plain log (what a pipe, CI or "
+                        "systemd always gets)")
+    lim = p.add_argument_group("request limits (a request over one gets a 400 naming the field)")
+    lim.add_argument("--max-prompt-tokens", type=int, default=None,
+                     help="longest prompt in tokens (default: what the context holds)")
+    lim.add_argument("--max-n", type=int, default=64, help="largest n (choices per prompt)")
+    lim.add_argument("--max-tokens-limit", type=int, default=None,
+                     help="largest max_tokens; also caps an unspecified max_tokens")
+    lim.add_argument("--max-stop-strings", type=int, default=16)
+    lim.add_argument("--max-stop-string-length", type=int, default=256, help="characters")
+    lim.add_argument("--max-tools", type=int, default=128)
+    lim.add_argument("--max-tool-schema-bytes", type=parse_bytes, default=64 << 10,
+                     help="largest tool definition, as JSON (e.g. 64KiB)")
+    lim.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries")
