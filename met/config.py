@@ -21,9 +21,31 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "gguf")
 # "auto" lets the loader decide from the model file (met/loader/auto_quant.py).
 QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
 # What --kv-cache-dtype / EngineConfig.kv_cache_dtype accept: "model" stores the KV cache in the
-# model's dtype, "int8" as int8 rows with a float32 scale each (met/layers/kv_cache.py), "auto"
-# the model's dtype except int8 under an auto-chosen float32 + w4a8 (EngineCore decides).
-KV_CACHE_DTYPES = ("auto", "model", "int8")
+# model's dtype, "bf16" in bfloat16 (a bfloat16 model's), "int8" / "fp8" as int8 / float8 e4m3
+# rows with a float32 scale each (met/kernels/kv_cache.py), "auto" the model's dtype except
+# int8 under an auto-chosen float32 + w4a8 (EngineCore decides).
+KV_CACHE_DTYPES = ("auto", "model", "bf16", "int8", "fp8")
+
+
+def resolve_device(name: str) -> str:
+    """--device as it runs: auto is cuda where torch sees a GPU, else cpu. A CUDA device that
+    cannot run is an error, never a silent fall back to the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if not (name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        built = (f"built for CUDA {torch.version.cuda}" if torch.version.cuda
+                 else "a CPU-only build")
+        raise ValueError(f"device: {name} asked for, but torch ({torch.__version__}, {built}) "
+                         "sees no CUDA device; use --device cpu (or auto)")
+    index = int(name[5:]) if ":" in name else 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: {name} asked for, but torch sees "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    return name
 
 
 def cpu_has_native_bf16() -> bool:
@@ -60,7 +82,8 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
-    device: str = "cpu"
+    # "auto": CUDA when torch sees a GPU, else the CPU (resolved here, once)
+    device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -96,8 +119,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
+        object.__setattr__(self, "device", resolve_device(self.device))
         resolve_dtype(self.dtype, self.device)
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_CHOICES)} "

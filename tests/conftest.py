@@ -10,14 +10,22 @@ directory.
 ``ckpt``: the tiny Llama's directory (a module may override it). ``start_server(args)``:
 runs `met serve` as a subprocess (tests/api/serve_harness.py), stopped at the end of the
 module.
+Without CUDA, TRITON_INTERPRET=1 is set for the session (the Triton kernels run on CPU).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (read when triton is first
+# imported): the triton attention backend is then checked on CPU like every other entry.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # tiny_models lives next to this file; make it importable however pytest imports tests/
 # (rootdir-relative packages, importlib mode, or a tests/__init__.py added later).

@@ -60,6 +60,10 @@ class ServerMetrics:
                                   ["model_name"], registry=r).labels(**labels)
         self.kv_pool_bytes = Gauge("met_kv_pool_bytes", "Bytes the KV cache pool takes",
                                    ["model_name"], registry=r).labels(**labels)
+        self.kv_pool_tokens = Gauge("met_kv_pool_tokens", "Tokens the KV cache pool holds, "
+                                    "by the cache's stored type", ["model_name",
+                                                                    "kv_cache_dtype"],
+                                    registry=r)
         self.kernels = Gauge("met_kernel_info", "The kernels this server runs (value 1): "
                              "linear method, attention backend, CPU ISA",
                              ["model_name", "linear", "attention", "cpu_isa"], registry=r)
@@ -97,6 +101,9 @@ class ServerMetrics:
             self._kernels_set = True
         self.weight_bytes.set(s.weight_bytes)
         self.kv_pool_bytes.set(s.kv_pool_bytes)
+        if s.kv_pool_tokens:
+            self.kv_pool_tokens.labels(kv_cache_dtype=s.kv_cache_dtype,
+                                       **self._labels).set(s.kv_pool_tokens)
         if s.kv is not None:
             self.kv_total.set(s.kv.num_blocks_total)
             self.kv_used.set(s.kv.num_blocks_in_use)

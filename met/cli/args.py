@@ -29,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(int8 weights per channel, int8 activations per row); auto: w4a8 "
                         "for a Q4_0/Q4_1 GGUF in bfloat16 on a CPU with AVX512-VNNI (without "
                         "it int4 for --max-num-seqs <= 4), else none")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--linear-backend", default="auto", choices=["auto", *linear_method_names()],
                    help="force a linear method (`met kernels list` shows what runs here and "
                         "why not); it implies its quantization; auto: the first that runs")

@@ -74,6 +74,8 @@ class EngineStats:
     kernels: tuple[tuple[str, str], ...] = ()
     weight_bytes: int = 0  # what the model's weights take (EngineCore.weight_bytes)
     kv_pool_bytes: int = 0  # what the KV pool takes
+    kv_pool_tokens: int = 0  # the tokens it holds (blocks x block size)
+    kv_cache_dtype: str = ""  # the element type the cache stores (EngineCore.kv_stored)
 
 
 StreamItem = RequestUpdate | RequestFailed
@@ -335,4 +337,5 @@ class AsyncEngine:
         sched = core.scheduler
         self.stats = EngineStats(len(sched.running), len(sched.waiting), sched.num_preemptions,
                                  core.kv_stats(), core.kernel_labels, core.weight_bytes,
-                                 core.kv_pool_bytes)
+                                 core.kv_pool_bytes, core.kv_pool_tokens,
+                                 core.kv_stored)

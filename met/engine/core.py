@@ -71,10 +71,14 @@ class EngineCore:
         self.kernel_labels = tuple(plan.labels().items()) if plan is not None else ()
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
                                   self.device, self.kv_cache_dtype, policy=self.batch_policy,
-                                  native_attention=plan is None or plan.native_attention)
+                                  attention_backend="cpu-native" if plan is None
+                                  else plan.attention.name)
         # What the weights and the KV pool take (startup line, /metrics).
         self.weight_bytes = self.loaded.model.weight_bytes()
         self.kv_pool_bytes = sum(kv_cache.nbytes(c) for c in self.runner.kv_caches)
+        self.kv_pool_tokens = num_blocks * config.block_size
+        self.kv_stored = str(kv_cache.stored_dtype(self.kv_cache_dtype, dtype)).removeprefix(
+            "torch.")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  separate_generated=self.batch_policy.hash_generated_apart)
         self.scheduler = Scheduler(
@@ -86,7 +90,8 @@ class EngineCore:
         log.info("memory: weights %.1f MiB, KV pool %.1f MiB (%d blocks x %d tokens = %d "
                  "tokens, %s)", self.weight_bytes / 2**20, self.kv_pool_bytes / 2**20,
                  num_blocks, config.block_size, num_blocks * config.block_size,
-                 "int8 rows + scales" if self.kv_cache_dtype == "int8" else dtype)
+                 f"{self.kv_cache_dtype} rows + scales"
+                 if self.kv_cache_dtype in kv_cache.QUANTIZED else self.kv_stored)
 
     def _resolve_kv_cache_dtype(self) -> str:
         """--kv-cache-dtype as it runs: "auto" is the model's dtype, except where --dtype auto
@@ -97,6 +102,10 @@ class EngineCore:
         float32 cache, mean |dlogprob| from float32 0.061 vs 0.057). Only where the kernel
         reads int8 rows natively (head_dim a multiple of 64)."""
         config = self.config
+        if config.kv_cache_dtype == "bf16" and self.dtype != torch.bfloat16:
+            raise ValueError(f"kv_cache_dtype: bf16 needs a bfloat16 model (this one runs in "
+                             f"{str(self.dtype).removeprefix('torch.')}); use model, int8 or "
+                             "fp8, or --dtype bfloat16")
         if config.kv_cache_dtype != "auto":
             return config.kv_cache_dtype
         head_dim = self.loaded.model.kv_layout[2]

@@ -122,6 +122,8 @@ def native_applies(kv: KVCache, dtype: torch.dtype, head_dim: int) -> bool:
     if not kv.native or kv.k.device.type != "cpu" or dtype not in (torch.float32,
                                                                      torch.bfloat16):
         return False
+    if kv.k.dtype not in (dtype, torch.int8):
+        return False  # an fp8 cache, or a cache dtype other than the queries'
     # The kernel reads int8 rows only through its register-blocked path.
     return not kv.quantized or (head_dim % 64 == 0 and kv.k.stride(2) == 1)
 

@@ -1,19 +1,22 @@
-"""One layer's paged KV cache, in the model's dtype or in int8 with a scale per row.
+"""One layer's paged KV cache, in the model's dtype or in int8 / fp8 with a scale per row.
 
 A cache is ``[num_kv_heads, num_slots, head_dim]`` keys and values, a slot being
 ``block * block_size + offset``. With ``--kv-cache-dtype int8`` each (head, slot) row of
 head_dim values is stored as int8 with one float32 scale (symmetric: scale max|x| / 127,
 values x / scale rounded to nearest even): head_dim + 4 bytes per row instead of 2 · head_dim
-in bfloat16, so the same memory holds ~1.9x the tokens at head_dim 64. Each row is quantized
+in bfloat16, so the same memory holds ~1.9x the tokens at head_dim 64. ``fp8`` is the same
+with float8 e4m3 values (scale max|x| / 448, values rounded to nearest e4m3). Each row is quantized
 alone, from the value a bfloat16 cache would have stored, so a token's cached row never
 depends on its batch. Speed on the 2-core test machine (docs/benchmarks.md): no gain at one
 stream (widening int8 costs what the smaller rows save while they sit in cache), 5–8 % at
 16–64 streams, where a step's caches are read from memory.
 
-Writers: `write_kv` (any device, any dtype) and the fused CPU op `rope_qkv_to_cache`, which
-quantize the same way bit for bit. Readers: the native decode kernel (int8 rows widened in
-registers, the scales folded into the scores and the value weights) and `gather_kv`, which
-dequantizes a request's rows for the reference SDPA path.
+Writers: `write_kv` (any device, any dtype), the fused CPU op `rope_qkv_to_cache` (model
+dtype and int8) and the Triton writer (met.kernels.triton.attention), which quantize the
+same way bit for bit. Readers: the native CPU decode kernel (int8 rows widened in registers,
+the scales folded into the scores and the value weights), the Triton kernel (int8 and fp8,
+the same way) and `gather_kv`, which dequantizes a request's rows for the reference SDPA
+path (fp8 on CPU goes there).
 """
 
 from __future__ import annotations
@@ -24,34 +27,66 @@ from typing import NamedTuple
 
 import torch
 
+from met.kernels.triton import attention as triton_attention
+
+# The stored types of the quantized cache dtypes, and the largest value each stores.
+QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
 
 class KVCache(NamedTuple):
-    """A layer's keys and values [Hkv, S, D]; int8 caches carry float32 scales [Hkv, S]."""
+    """A layer's keys and values [Hkv, S, D]; int8 / fp8 caches carry float32 scales
+    [Hkv, S]."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-    # False: the attention backend is the PyTorch reference (--attention-backend torch),
-    # whatever native kernel could read this cache.
-    native: bool = True
+    # The attention backend that reads it (met.kernels.registry): "cpu-native", "triton" or
+    # "torch" (the reference, whatever faster kernel could read this cache).
+    backend: str = "cpu-native"
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def native(self) -> bool:
+        """Read by the native CPU kernels."""
+        return self.backend == "cpu-native"
+
+    @property
+    def triton(self) -> bool:
+        return self.backend == "triton"
+
+    @property
+    def cpu_writable(self) -> bool:
+        """Whether the fused CPU op (`rope_qkv_to_cache`) can write it: a CPU cache in the
+        model's dtype or int8, for a CPU backend."""
+        return (self.k.device.type == "cpu" and not self.triton
+                and self.k.dtype != torch.float8_e4m3fn)
+
+
+def stored_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The element type a cache of ``kv_cache_dtype`` stores for a model in ``dtype``."""
+    if kv_cache_dtype == "bf16":
+        return torch.bfloat16
+    return QUANTIZED.get(kv_cache_dtype, dtype)
+
 
 def allocate(num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype,
              device: torch.device | str, kv_cache_dtype: str = "auto",
-             native: bool = True) -> KVCache:
-    """A zeroed cache of num_slots rows per kv head (int8 + scales for "int8");
-    ``native=False``: read by the PyTorch attention backend only."""
+             backend: str = "cpu-native") -> KVCache:
+    """A zeroed cache of num_slots rows per kv head (int8 / fp8 + scales for "int8" /
+    "fp8"), read by the attention ``backend``."""
     shape = (num_kv_heads, num_slots, head_dim)
-    if kv_cache_dtype == "int8":
-        return KVCache(_zeros(shape, torch.int8, device), _zeros(shape, torch.int8, device),
+    stored = QUANTIZED.get(kv_cache_dtype)
+    if stored is not None:
+        return KVCache(_zeros(shape, stored, device), _zeros(shape, stored, device),
                        _zeros(shape[:2], torch.float32, device),
-                       _zeros(shape[:2], torch.float32, device), native)
-    return KVCache(_zeros(shape, dtype, device), _zeros(shape, dtype, device), native=native)
+                       _zeros(shape[:2], torch.float32, device), backend)
+    dtype = stored_dtype(kv_cache_dtype, dtype)
+    return KVCache(_zeros(shape, dtype, device), _zeros(shape, dtype, device), backend=backend)
 
 
 def nbytes(cache: KVCache) -> int:
@@ -77,38 +112,46 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     kv_cache_dtype: str = "auto") -> int:
     """Bytes one token's keys and values take in one layer's cache."""
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in QUANTIZED:
         return 2 * num_kv_heads * (head_dim + 4)
-    return 2 * num_kv_heads * head_dim * dtype.itemsize
+    return 2 * num_kv_heads * head_dim * stored_dtype(kv_cache_dtype, dtype).itemsize
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x [..., D] (any float dtype) -> int8 [..., D] and float32 scales [...]: the scale
-    is max|x| / 127, the value round-half-even(x / scale) (0 for an all-zero row), all in
-    float32. The fused CPU op computes exactly this (the same float32 operations)."""
+def quantize_rows(x: torch.Tensor, stored: torch.dtype = torch.int8
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [..., D] (any float dtype) -> int8 (or fp8) [..., D] and float32 scales [...]:
+    the scale is max|x| / 127 (448 for fp8 e4m3), the value round-half-even(x / scale) (0 for
+    an all-zero row), all in float32. The fused CPU op and the Triton writer compute exactly
+    this (the same float32 operations)."""
+    qmax = _QMAX[stored]
     xf = x.float()
-    scale = torch.div(xf.abs().amax(dim=-1), torch.tensor(127.0))
+    scale = torch.div(xf.abs().amax(dim=-1), torch.tensor(qmax))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale.unsqueeze(-1) > 0, xf / safe.unsqueeze(-1), torch.zeros_like(xf))
-    return q.round().clamp(-127, 127).to(torch.int8), scale
+    if stored == torch.int8:
+        q = q.round()
+    return q.clamp(-qmax, qmax).to(stored), scale
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor) -> KVCache:
-    """An int8 cache holding the rows of k, v [Hkv, S, D] (quantize_rows of each)."""
-    (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, stored: torch.dtype = torch.int8) -> KVCache:
+    """An int8 (or fp8) cache holding the rows of k, v [Hkv, S, D] (quantize_rows of each)."""
+    (kq, ks), (vq, vs) = quantize_rows(k, stored), quantize_rows(v, stored)
     return KVCache(kq, vq, ks, vs)
 
 
 def write_kv(kv: KVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store the step's keys and values k, v [T, Hkv, D] in their slots. An int8 cache
     quantizes the rows as stored in the model's dtype (what a float cache would hold)."""
+    if kv.triton:
+        triton_attention.write_kv(kv.k, kv.v, kv.k_scale, kv.v_scale, slot_mapping, k, v)
+        return
     if not kv.quantized:
         kv.k.index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv.k.dtype))
         kv.v.index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv.v.dtype))
         return
     for rows, cache, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
-        q, s = quantize_rows(rows.transpose(0, 1))
-        cache.index_copy_(1, slot_mapping, q)
+        q, s = quantize_rows(rows.transpose(0, 1), cache.dtype)
+        _bytes(cache).index_copy_(1, slot_mapping, _bytes(q))
         scales.index_copy_(1, slot_mapping, s)
 
 
@@ -116,8 +159,14 @@ def gather_kv(kv: KVCache, slots: torch.Tensor, dtype: torch.dtype
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [Hkv, len(slots), D] of the given slots, in ``dtype`` (dequantized
     int8 rows are q · scale in float32, then rounded once to ``dtype``)."""
-    k, v = kv.k.index_select(1, slots), kv.v.index_select(1, slots)
     if not kv.quantized:
-        return k, v
+        return kv.k.index_select(1, slots), kv.v.index_select(1, slots)
+    k = _bytes(kv.k).index_select(1, slots).view(kv.k.dtype)
+    v = _bytes(kv.v).index_select(1, slots).view(kv.v.dtype)
     ks, vs = kv.k_scale.index_select(1, slots), kv.v_scale.index_select(1, slots)
     return ((k.float() * ks.unsqueeze(-1)).to(dtype), (v.float() * vs.unsqueeze(-1)).to(dtype))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    # torch's CPU index ops have no float8 kernels; one-byte rows move as uint8.
+    return x.view(torch.uint8)

@@ -14,6 +14,8 @@ To add a kernel: add its csrc files to `native.EXTENSIONS`, its entry here (with
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,7 +65,7 @@ class LinearMethod:
     why_not: Callable[[LinearSpec, Capability], str | None]
     note: str
 
-    def reason(self, spec: LinearSpec, cap: Capability) -> str | None:
+    def reason(self, spec: LinearSpec, cap: Capability, forced: bool = False) -> str | None:
         """None when this method runs ``spec`` here, else why not."""
         if spec.quantization != self.quantization:
             return (f"runs quantization {self.quantization or 'none'}, the model is "
@@ -119,21 +121,35 @@ class AttentionBackend:
 
     name: str
     kernel: str | None
-    why_not: Callable[[str, Capability], str | None]  # (device, capability)
+    why_not: Callable[[str, Capability, bool], str | None]  # (device, capability, forced)
     note: str
 
-    def reason(self, device: str, cap: Capability) -> str | None:
-        """None when this backend runs on ``device`` here, else why not."""
-        return _runs(self.why_not(device, cap), self.kernel)
+    def reason(self, device: str, cap: Capability, forced: bool = False) -> str | None:
+        """None when this backend runs on ``device`` here (``forced``: by name), else why
+        not."""
+        return _runs(self.why_not(device, cap, forced), self.kernel)
+
+
+def _triton(device: str, cap: Capability, forced: bool) -> str | None:
+    interpreted = forced and os.environ.get("TRITON_INTERPRET") == "1"
+    if not (device.startswith("cuda") or interpreted):
+        return (f"CUDA only (device is {device}; with TRITON_INTERPRET=1, "
+                "--attention-backend triton runs it on CPU in Triton's interpreter, for tests)")
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install triton)"
+    return None
 
 
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = (
     AttentionBackend("cpu-native", "decode_attention",
-                     lambda d, c: (None if d == "cpu" else f"CPU only (device is {d})")
+                     lambda d, c, f: (None if d == "cpu" else f"CPU only (device is {d})")
                      or _needs(c, c.avx2, "AVX2/FMA"),
                      "paged decode attention in C++ (prompt rows on AMX-BF16 tiles where "
                      "the CPU has them)"),
-    AttentionBackend("torch", None, lambda d, c: None,
+    AttentionBackend("triton", None, _triton,
+                     "paged varlen attention in Triton: prefill and decode rows in one "
+                     "kernel, int8 / fp8 caches read directly"),
+    AttentionBackend("torch", None, lambda d, c, f: None,
                      "gather + scaled_dot_product_attention (reference)"),
 )
 
@@ -185,7 +201,7 @@ def _choose(entries, args, forced: str, flag: str, what: str):
     rejected = []
     if forced != "auto":
         entry = _by_name(entries, forced, flag)
-        why = entry.reason(*args)
+        why = entry.reason(*args, forced=True)
         if why is not None:
             raise ValueError(f"{flag} {forced}: cannot run {what} here: {why}")
         return entry, rejected

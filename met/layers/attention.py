@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from met.kernels import varlen
 from met.kernels.decode_attention import decode_attention
 from met.kernels.kv_cache import KVCache, gather_kv, write_kv
 from met.kernels.prompt_attention import prompt_attention, prompt_attention_applies
+from met.kernels.triton import attention as triton_attention
 from met.layers.batch import ForwardBatch
 
 __all__ = ["KVCache", "attend_cached", "paged_attention"]
@@ -28,12 +30,13 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's cached context; returns [T, H, D].
 
     Writes the step's new keys and values k, v [T, Hkv, D] into their slots first."""
     write_kv(kv_cache, batch.slot_mapping, k, v)
-    return attend_cached(q, kv_cache, batch, scale, sliding_window)
+    return attend_cached(q, kv_cache, batch, scale, sliding_window, softcap)
 
 
 def attend_cached(
@@ -42,12 +45,19 @@ def attend_cached(
     batch: ForwardBatch,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention` once the step's keys and values are already in the cache.
 
-    A model that runs prompt rows through their own kernels (`ForwardBatch.prompt_rows`)
-    has them attended by the prompt-attention kernel where it applies (a bfloat16 cache on
-    an AMX-BF16 CPU, full attention); every other row as before."""
+    The Triton backend takes every row in one call. Otherwise a model that runs prompt rows
+    through their own kernels (`ForwardBatch.prompt_rows`) has them attended by the
+    prompt-attention kernel where it applies (a bfloat16 cache on an AMX-BF16 CPU, full
+    attention); every other row as before. Score softcapping (Gemma-2) runs on the Triton
+    kernel or the plain varlen reference."""
+    if kv_cache.triton or softcap:
+        run = triton_attention.attention if kv_cache.triton else varlen.attention_reference
+        return run(q, kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale,
+                   batch.varlen(), scale, sliding_window, softcap)
     gqa = q.shape[1] != kv_cache.k.shape[0]
     first = batch.prompt_rows
     if not (first and sliding_window is None and prompt_attention_applies(q, kv_cache)):

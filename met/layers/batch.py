@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from met.kernels.varlen import VarlenMeta
+
 
 @dataclass(frozen=True)
 class WindowPlan:
@@ -85,6 +87,15 @@ class ForwardBatch:
             seqs = tuple(s for s in self.seqs if s.q_start >= first_row)
             plan = self.memo[key] = _build_plan(seqs, window, self.row_attention)
         return plan
+
+    def varlen(self) -> VarlenMeta:
+        """Every sequence as flat varlen metadata (the Triton attention backend's input)."""
+        meta = self.memo.get("varlen")
+        if meta is None:
+            meta = self.memo["varlen"] = VarlenMeta.build(
+                [(s.q_start, s.q_len, s.ctx_len, s.ctx_slots) for s in self.seqs],
+                self.input_ids.device)
+        return meta
 
     def prompt_chunks(self) -> PromptChunks:
         """The prompt chunks (rows [0, prompt_rows)) as the prompt-attention kernel takes

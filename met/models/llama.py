@@ -216,7 +216,8 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
-        if self._fused_layers and fused_ops.available(x, self.fused_float32):
+        if (self._fused_layers and fused_ops.available(x, self.fused_float32)
+                and kv_caches[0].cpu_writable):
             return self._forward_fused(x, batch, kv_caches)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, batch, kv)

@@ -35,7 +35,7 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto",
-                 *, policy: BatchPolicy, native_attention: bool = True):
+                 *, policy: BatchPolicy, attention_backend: str = "cpu-native"):
         self.model = model
         self.policy = policy  # the engine's, decided once (`BatchPolicy`)
         self.block_size = block_size
@@ -44,7 +44,7 @@ class ModelRunner:
         # Head-major, slot-flat: one index_select per request gathers its context per head.
         self.kv_caches = [
             kv_cache.allocate(kv_heads, num_blocks * block_size, head_dim, dtype, device,
-                              kv_cache_dtype, native=native_attention)
+                              kv_cache_dtype, backend=attention_backend)
             for _ in range(layers)
         ]
 

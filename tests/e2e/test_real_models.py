@@ -213,6 +213,7 @@ def test_gemma3_q4_k_m_served_from_its_blocks_takes_about_the_files_memory(start
     assert pool > 0
     status = open(f"/proc/{server.proc.pid}/status").read()
     rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
-    print(f"RSS {rss / 1024:.0f} MiB, weights {weights / 2**20:.1f} MiB, KV pool {pool / 2**20:.0f} MiB")
+    print(f"RSS {rss / 1024:.0f} MiB, weights {weights / 2**20:.1f} MiB, "
+          f"KV pool {pool / 2**20:.0f} MiB")
     assert rss * 1024 <= weights + pool + (1 << 30), (rss, weights, pool)
     assert "memory: weights" in server.log()

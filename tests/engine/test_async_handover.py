@@ -22,7 +22,8 @@ class _CountingCore:
     each step records how many items the consumer had received when it began."""
 
     kernel_labels = ()  # EngineCore's kernel-plan labels (none here)
-    weight_bytes = kv_pool_bytes = 0  # what EngineCore reports of its memory
+    weight_bytes = kv_pool_bytes = kv_pool_tokens = 0  # what EngineCore reports of its memory
+    kv_stored = "float32"
 
     def __init__(self, received: list):
         self.received = received

@@ -13,15 +13,22 @@ from met import LLM, SamplingParams
 from met.config import EngineConfig
 
 
+@pytest.mark.parametrize(("kv_dtype", "stored", "mean", "worst", "rank"),
+                         [("int8", torch.int8, 0.05, 0.25, 1),
+                          ("fp8", torch.float8_e4m3fn, 0.25, 2.0, 4)])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_int8_cache_stays_close_to_transformers(arch, tiny_checkpoint):
+def test_quantized_cache_stays_close_to_transformers(arch, kv_dtype, stored, mean, worst,
+                                                     rank, tiny_checkpoint):
     """Scored on transformers' float32 greedy continuations (teacher-forced, prompt
     logprobs), the int8 cache moves each chosen token's logprob by < 0.05 nats on average
     and < 0.25 at most, and keeps it in the top 2. Measured: llama mean 0.006 / max 0.03,
-    gemma3 0.037 / 0.16 (float32 with the model-dtype cache: ~1e-6)."""
+    gemma3 0.037 / 0.16 (float32 with the model-dtype cache: ~1e-6). fp8 (e4m3: 3 mantissa
+    bits against int8's 7) moves them more (measured: llama 0.028 / 0.15, gemma3 0.16 / 1.67):
+    wider bounds; the tiny gemma3 has 3-way near-ties (0.002 nats)
+    where the chosen token falls to 4th."""
     model_dir = tiny_checkpoint(arch)
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, kv_cache_dtype="int8")
-    assert llm.engine.runner.kv_caches[0].k.dtype == torch.int8
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, kv_cache_dtype=kv_dtype)
+    assert llm.engine.runner.kv_caches[0].k.dtype == stored
     gaps = []
     for prompt in oracle_prompts(arch):
         ref = hf_greedy_trace(model_dir, prompt, 32)
@@ -29,10 +36,13 @@ def test_int8_cache_stays_close_to_transformers(arch, tiny_checkpoint):
                            SamplingParams(max_tokens=1, prompt_logprobs=5))[0]
         for i, tok in enumerate(ref.tokens):
             lp = out.prompt_logprobs[len(prompt) + i]
-            assert sorted(lp.values(), reverse=True).index(lp[tok]) <= 1, (len(prompt), i)
+            assert sorted(lp.values(), reverse=True).index(lp[tok]) <= rank, (
+                len(prompt), i, lp[tok], ref.logprobs[i], sorted(lp.values())[-3:])
             gaps.append(abs(lp[tok] - ref.logprobs[i]))
     assert llm.kv_stats().num_blocks_in_use == 0
-    assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.25, (sum(gaps) / len(gaps), max(gaps))
+    print(f"{arch} {kv_dtype}: mean {sum(gaps) / len(gaps):.4f}, max {max(gaps):.4f}")
+    assert sum(gaps) / len(gaps) < mean and max(gaps) < worst, (sum(gaps) / len(gaps),
+                                                                 max(gaps))
 
 
 def test_int8_cache_holds_more_tokens_in_the_same_memory(tiny_checkpoint):
@@ -43,13 +53,13 @@ def test_int8_cache_holds_more_tokens_in_the_same_memory(tiny_checkpoint):
     layers, hkv, d = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
     memory = 1 << 20
     blocks = {}
-    for kv_dtype in ("auto", "int8"):
+    for kv_dtype in ("auto", "int8", "fp8"):
         llm = LLM(str(model_dir), dtype="bfloat16", quantization="none", max_model_len=256,
                   kv_cache_memory=memory, kv_cache_dtype=kv_dtype)
         blocks[kv_dtype] = llm.kv_stats().num_blocks_total
     assert blocks["auto"] == memory // (layers * 16 * 2 * hkv * d * 2)
     assert blocks["int8"] == memory // (layers * 16 * 2 * hkv * (d + 4))
-    assert blocks["int8"] > blocks["auto"]
+    assert blocks["fp8"] == blocks["int8"] > blocks["auto"]
 
 
 def test_int8_cache_is_batch_and_chunk_invariant(tiny_checkpoint):
@@ -78,5 +88,17 @@ def test_int8_cache_is_batch_and_chunk_invariant(tiny_checkpoint):
 
 
 def test_unknown_kv_cache_dtype_is_rejected_by_name():
-    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, model, int8"):
-        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, model, bf16, "
+                                         "int8, fp8, got 'fp4'"):
+        EngineConfig(kv_cache_dtype="fp4")
+
+
+def test_a_device_that_cannot_run_is_an_error_not_a_cpu_fallback():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert EngineConfig(device="auto").device == "cpu"
+    with pytest.raises(ValueError, match="device: cuda asked for, but torch .* sees no CUDA "
+                                         "device; use --device cpu"):
+        EngineConfig(device="cuda")
+    with pytest.raises(ValueError, match="device: expected auto, cpu, cuda or cuda:N"):
+        EngineConfig(device="gpu")
