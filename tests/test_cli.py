@@ -84,7 +84,7 @@ def test_generate_kv_cache_dtype_flag_reaches_the_engine(tiny_checkpoint):
     assert "int8 rows + scales" in run.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "met.cli", "generate", ckpt, "--prompt", prompt,
-         "--kv-cache-dtype", "fp8"],
+         "--kv-cache-dtype", "fp4"],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr
