@@ -168,7 +168,7 @@ def _plans(cap) -> list[Check]:
                 picks.append(f"{quant or 'none'} → {m.name}")
                 break
     attention = next(b.name for b in registry.ATTENTION_BACKENDS
-                     if usable(b, b.why_not("cpu", cap)))
+                     if usable(b, b.why_not("cpu", cap, False)))
     return [Check("Kernels", "auto picks", INFO,
                   f"linear {', '.join(picks)}; attention {attention} (`met kernels list` "
                   f"says why the others do not run)")]
