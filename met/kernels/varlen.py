@@ -44,7 +44,7 @@ class VarlenMeta:
         def col(i):
             return torch.tensor([s[i] for s in spans], dtype=torch.int32, device=device)
 
-        slots = (torch.cat([s[3][: s[2]] for s in spans]) if spans
+        slots = (torch.cat([s[3] for s in spans]) if spans
                  else torch.empty(0, dtype=torch.long, device=device))
         return cls(col(0), col(1), col(2),
                    torch.tensor(starts, dtype=torch.int32, device=device),

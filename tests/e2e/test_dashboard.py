@@ -110,7 +110,7 @@ class Tmux:
 @pytest.fixture
 def tmux(tmp_path, request):
     if TMUX is None:
-        pytest.skip("tmux is not installed (apt-get install -y tmux): the dashboard needs "
+        pytest.fail("tmux is not installed (apt-get install -y tmux): the dashboard needs "
                     "a real terminal to be tested in")
     t = Tmux(tmp_path, request.node.name.replace("[", "-").rstrip("]")[:40])
     yield t

@@ -1,7 +1,7 @@
 """The web chat at ``/`` in a real browser: headless Chromium (Debian's ``chromium``) driven by
 Playwright, against a real `met serve` with the embedded model. Screenshots go to
-tests/artifacts/ (git-ignored). Without chromium or playwright the browser tests skip; the
-HTTP checks of the page and its auth still run."""
+tests/artifacts/ (git-ignored). Without chromium or playwright the browser tests fail with
+the install hint (CI installs both)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="playwright is not installed (pip install playwright)")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        pytest.fail("playwright is not installed (pip install -e '.[test]')")
     if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not found: apt-get install -y chromium")
+        pytest.fail(f"{CHROMIUM} not found: apt-get install -y chromium")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         yield browser

@@ -93,9 +93,13 @@ def test_unknown_kv_cache_dtype_is_rejected_by_name():
         EngineConfig(kv_cache_dtype="fp4")
 
 
-def test_a_device_that_cannot_run_is_an_error_not_a_cpu_fallback():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+def test_a_device_that_cannot_run_is_an_error_not_a_cpu_fallback(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig(device="auto").device == "cuda"
+    with pytest.raises(ValueError, match=r"device: cuda:1 asked for, but torch sees 1 CUDA"):
+        EngineConfig(device="cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert EngineConfig(device="auto").device == "cpu"
     with pytest.raises(ValueError, match="device: cuda asked for, but torch .* sees no CUDA "
                                          "device; use --device cpu"):

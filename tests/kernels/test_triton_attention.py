@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton  # noqa: F401  (a test extra: without it these tests fail, never skip)
 from test_oracle_models import assert_matches_hf, generate_checked, greedy_params, make_llm
 from tiny_models import ARCHS, oracle_prompts
 
@@ -16,8 +17,6 @@ from met.kernels.triton import attention as ta
 from met.kernels.varlen import attention_reference
 from met.layers.attention import attend_cached
 from met.layers.batch import ForwardBatch, SeqSpan
-
-pytest.importorskip("triton")
 
 
 def _step(lens: list[tuple[int, int]], num_slots: int, seed: int = 0):

@@ -35,6 +35,14 @@ def _kernels():
     return _jit.attn_kernel, _jit.write_kernel
 
 
+def _scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The kernels' QUANT code and scale operands (a cache stands in for absent scales: the
+    pointer is never read when QUANT is 0)."""
+    quant = _QUANT.get(k_cache.dtype, 0)
+    return quant, (k_scale if quant else k_cache), (v_scale if quant else v_cache)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
              v_scale: torch.Tensor | None, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
@@ -44,9 +52,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor
     if t == 0:
         return
     assert k_cache.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
-    quant = _QUANT.get(k_cache.dtype, 0)
-    ks = k_scale if quant else k_cache
-    vs = v_scale if quant else v_cache
+    quant, ks, vs = _scales(k_cache, v_cache, k_scale, v_scale)
     _, write = _kernels()
     write[(t, hkv)](k, v, k_cache, v_cache, ks, vs, slot_mapping,
                     k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -54,6 +60,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor
                     HEAD_DIM=d, BLOCK_D=_next_pow2(d), QUANT=quant)
 
 
+@functools.cache
 def _interpreted() -> bool:
     # The interpreter's tl.dot is wrong for 16-bit inputs (numpy has no bfloat16): it gets
     # them widened to float32, which is what the GPU's products are (exact, float32 sums).
@@ -83,10 +90,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group_pad = _next_pow2(group)
     bm = block_m(meta.max_q_len, group_pad)
     tile_seq, tile_m0 = meta.tiles(bm)
-    quant = _QUANT.get(k_cache.dtype, 0)
-    ks = k_scale if quant else k_cache
-    vs = v_scale if quant else v_cache
+    quant, ks, vs = _scales(k_cache, v_cache, k_scale, v_scale)
     attn, _ = _kernels()
+    interpreted = _interpreted()
     attn[(tile_seq.numel(), hkv)](
         q, k_cache, v_cache, ks, vs, out, meta.slots, tile_seq, tile_m0,
         meta.q_start, meta.q_len, meta.ctx_len, meta.slot_start,
@@ -96,6 +102,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         float(scale), float(softcap or 0.0), int(window or 0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=bm, BLOCK_N=32 if d > 128 else 64,
         HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)), QUANT=quant, SOFTCAP=bool(softcap),
-        WINDOW=bool(window), IEEE=q.dtype == torch.float32 or _interpreted(),
-        UPCAST=_interpreted())
+        WINDOW=bool(window), IEEE=q.dtype == torch.float32 or interpreted,
+        UPCAST=interpreted)
     return out
