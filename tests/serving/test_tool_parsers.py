@@ -193,3 +193,17 @@ def test_formatted_calls_parse_back(name):
 def test_history_calls_with_non_object_arguments_still_render(name):
     text = get_tool_parser(name, tools=TOOLS).format_calls([("get_weather", "not json")])
     assert "get_weather" in text and "not json" in text
+
+
+@pytest.mark.parametrize("cut", ['<tool_call>', '<tool_call>\n{"na',
+                                 '<tool_call>\n{"name": "get_w'])
+def test_call_cut_before_its_name_never_leaks_markup_into_content(cut):
+    # max_tokens can stop a second call before its name is written (issue 36)
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            + cut)
+    parser = get_tool_parser("hermes", TOOLS)
+    content, calls = parser.parse(text)
+    assert content == "" and [c.name for c in calls] == ["get_weather"]
+    stream = parser.streamer()
+    pieces = [stream.feed(ch) for ch in text] + [stream.finish()]
+    assert "".join(p.content for p in pieces) == ""

@@ -40,12 +40,15 @@ class HermesToolParser(ToolParser):
             body = skip_ws(text, i + len(START))
             j = text.find(END, body)
             if j < 0:  # the call is still being written (or the output was cut off)
-                call = call_from_object(text, scan_object(text, body, False), False)
+                scan = scan_object(text, body, False)
+                call = call_from_object(text, scan, False)
                 if call is not None and call.name is not None:
                     segments += [cur + text[pos:i], ""]
                     calls.append(call)
-                else:
-                    segments.append(cur + (text[pos:] if final else text[pos:i]))
+                elif final and not scan.ok:  # not a call after all: its text stays content
+                    segments.append(cur + text[pos:])
+                else:  # a call cut before its name: markup, never content
+                    segments.append(cur + text[pos:i])
                 break
             scan = scan_object(text, body, True)
             call = call_from_object(text, scan, True)
