@@ -125,8 +125,6 @@ def test_cli_check_fails_on_a_stale_file(records, tmp_path, capsys):
     assert "met-auto" in doc.read_text()
 
 
-@pytest.mark.skipif(not (REPO / ".benchmarks" / "peers").is_dir(),
-                    reason="needs the repository's .benchmarks records")
 def test_committed_docs_match_the_records():
     """README.md and docs/benchmarks.md as committed are what `met bench tables` generates."""
     assert main(["bench", "tables", "--check", str(REPO / "README.md"),
