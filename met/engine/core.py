@@ -89,7 +89,7 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None
         log.info("memory: weights %.1f MiB, KV pool %.1f MiB (%d blocks x %d tokens = %d "
                  "tokens, %s)", self.weight_bytes / 2**20, self.kv_pool_bytes / 2**20,
-                 num_blocks, config.block_size, num_blocks * config.block_size,
+                 num_blocks, config.block_size, self.kv_pool_tokens,
                  f"{self.kv_cache_dtype} rows + scales"
                  if self.kv_cache_dtype in kv_cache.QUANTIZED else self.kv_stored)
 
