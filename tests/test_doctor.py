@@ -26,7 +26,9 @@ def test_doctor_reports_the_machine_and_passes_here():
     assert report["ok"]
     checks = report["checks"]
     names = {c["name"] for c in checks}
-    assert {"gguf_blocks", "decode_attention", "embedded model"} <= names
+    assert {"gguf_blocks", "decode_attention", "embedded model", "speculative decoding"} <= names
+    spec = next(c for c in checks if c["name"] == "speculative decoding")
+    assert all(m in spec["detail"] for m in ("ngram", "suffix", "draft_model", "self"))
     assert any("avx2" in json.dumps(c).lower() for c in checks)
     assert not [c for c in checks if c["status"] not in ("ok", "info", "skip", "note")]
 

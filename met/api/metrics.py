@@ -68,6 +68,18 @@ class ServerMetrics:
                              "linear method, attention backend, CPU ISA",
                              ["model_name", "linear", "attention", "cpu_isa"], registry=r)
         self._kernels_set = False
+        spec = ["model_name", "method"]
+        self.spec_drafted = Gauge("met_spec_decode_num_draft_tokens", "Speculative draft "
+                                  "tokens verified since start", spec, registry=r)
+        self.spec_accepted = Gauge("met_spec_decode_num_accepted_tokens", "Of them, the ones "
+                                   "the target accepted", spec, registry=r)
+        self.spec_verifies = Gauge("met_spec_decode_num_verifies", "Request steps that "
+                                   "verified drafts", spec, registry=r)
+        self.spec_acceptance = Gauge("met_spec_decode_acceptance_ratio", "Accepted / drafted",
+                                     spec, registry=r)
+        self.spec_length = Gauge("met_spec_decode_mean_accepted_length", "Tokens a verifying "
+                                 "request gains per step (accepted drafts + its own)", spec,
+                                 registry=r)
         # The latest requests' exact latencies, for the terminal dashboard's p50/p99 (the
         # histograms' buckets are too coarse for that).
         self.recent_ttft: deque[float] = deque(maxlen=1024)
@@ -104,6 +116,13 @@ class ServerMetrics:
         if s.kv_pool_tokens:
             self.kv_pool_tokens.labels(kv_cache_dtype=s.kv_cache_dtype,
                                        **self._labels).set(s.kv_pool_tokens)
+        if s.spec is not None:
+            labels = dict(method=s.spec.method, **self._labels)
+            self.spec_drafted.labels(**labels).set(s.spec.drafted)
+            self.spec_accepted.labels(**labels).set(s.spec.accepted)
+            self.spec_verifies.labels(**labels).set(s.spec.verifies)
+            self.spec_acceptance.labels(**labels).set(s.spec.acceptance_rate)
+            self.spec_length.labels(**labels).set(s.spec.mean_accepted_length)
         if s.kv is not None:
             self.kv_total.set(s.kv.num_blocks_total)
             self.kv_used.set(s.kv.num_blocks_in_use)

@@ -37,7 +37,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     settings = SweepSettings(concurrency=args.concurrency, isl=args.isl, osl=args.osl,
                              reps=args.reps, warmup=args.warmup, seed=args.seed,
                              timeout=args.timeout, temperature=args.temperature,
-                             top_p=args.top_p, top_k=args.top_k)
+                             top_p=args.top_p, top_k=args.top_k, workload=args.workload)
 
     async def go():
         model = args.model
@@ -159,6 +159,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sw.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     sw.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8, 16, 32))
     sw.add_argument("--isl", type=int, default=128, help="prompt tokens (approximate)")
+    sw.add_argument("--workload", default="random", choices=["random", "code-edit", "chat"],
+                    help="prompts: random words (no repetition); code-edit (rewrite the code "
+                         "in the prompt: prompt lookup's case); chat (open questions)")
     sw.add_argument("--osl", type=int, default=128, help="output tokens per request")
     sw.add_argument("--reps", type=int, default=1, help="requests per client per rung")
     sw.add_argument("--warmup", type=int, default=1, help="unmeasured requests first")

@@ -40,10 +40,17 @@ def sweep_table(result: SweepResult) -> str:
              _fmt(r.ttft_p50_ms), _fmt(r.ttft_p90_ms), _fmt(r.ttft_p99_ms),
              _fmt(r.tpot_p50_ms, 2), _fmt(r.tpot_p90_ms, 2), _fmt(r.e2e_p50_ms),
              _fmt(r.min_output_tokens), _fmt(r.mean_prompt_tokens, 0)] for r in result.rungs]
-    head = (f"{result.label}: {result.endpoint}, isl≈{result.settings.isl}, "
+    head = (f"{result.label}: {result.endpoint}, {result.settings.workload} prompts, "
+            f"isl≈{result.settings.isl}, "
             f"osl {result.settings.osl}, reps {result.settings.reps} (latencies in ms)")
     notes = [f"rung {r.concurrency}: first error: {r.first_error}" for r in result.rungs
              if r.first_error]
+    for r in result.rungs:
+        for method, d in (r.spec or {}).items():
+            notes.append(f"rung {r.concurrency}: speculation {method}: drafted "
+                         f"{d['drafted']:.0f}, accepted {d['accepted']:.0f} "
+                         f"({100 * d['acceptance_rate']:.0f}%), mean accepted length "
+                         f"{d['mean_accepted_length']:.2f}")
     if any(not r.usage_reported for r in result.rungs if r.requests > r.errors):
         notes.append("the server sent no usage: output tokens are counted as chunks")
     return "\n".join([head, table(_SWEEP_HEADERS, rows), *notes])

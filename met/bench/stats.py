@@ -48,6 +48,9 @@ class RungStats:
     mean_prompt_tokens: float | None
     usage_reported: bool
     first_error: str | None = None
+    # met's speculative decoding in this rung, per method: drafted, accepted, verifies,
+    # acceptance_rate, mean_accepted_length (from /metrics); None where it was off.
+    spec: dict[str, dict[str, float]] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -14,7 +14,7 @@ import httpx
 
 from met.bench.loadgen import RequestResult, Target, stream_request
 from met.bench.progress import Progress
-from met.bench.prompts import PromptShape, measure_shape, prompt_set
+from met.bench.prompts import WORKLOADS, PromptShape, measure_shape, prompt_set
 from met.bench.stats import RungStats, rung_stats
 
 SWEEP_KIND = "met-bench-sweep"
@@ -34,8 +34,12 @@ class SweepSettings:
     temperature: float = 0.0  # 0: greedy; else the requests sample (with top_p / top_k)
     top_p: float = 1.0
     top_k: int = 0  # 0: off (not sent)
+    workload: str = "random"  # what the prompts are (met.bench.prompts.WORKLOADS)
 
     def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload: must be one of {', '.join(WORKLOADS)}, got "
+                             f"{self.workload!r}")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency: a comma list of integers >= 1, "
                              f"got {self.concurrency!r}")
@@ -125,6 +129,48 @@ async def run_batch(client: httpx.AsyncClient, target: Target, bodies: list[dict
     return [r for r in results if r is not None], time.perf_counter() - start
 
 
+_SPEC_COUNTERS = {"met_spec_decode_num_draft_tokens": "drafted",
+                  "met_spec_decode_num_accepted_tokens": "accepted",
+                  "met_spec_decode_num_verifies": "verifies"}
+
+
+async def spec_counters(client: httpx.AsyncClient,
+                        target: Target) -> dict[str, dict[str, float]] | None:
+    """A met server's speculative decoding totals per method from /metrics; None where the
+    server has none (speculation off, or another engine)."""
+    try:
+        r = await client.get(f"{target.root}/metrics", headers=target.headers())
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for line in r.text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in _SPEC_COUNTERS:
+            continue
+        labels, _, value = rest.rpartition("} ")
+        method = next((kv.split("=", 1)[1].strip('"') for kv in labels.split(",")
+                       if kv.startswith("method=")), "?")
+        out.setdefault(method, {})[_SPEC_COUNTERS[name]] = float(value)
+    return out or None
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict[str, dict[str, float]] | None:
+    """What a rung drafted and accepted per method, with its acceptance rate and mean
+    accepted length (tokens a verifying request gained per step)."""
+    if not after:
+        return None
+    out = {}
+    for method, now in after.items():
+        was = (before or {}).get(method, {})
+        d = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in ("drafted", "accepted", "verifies")}
+        d["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
+        d["mean_accepted_length"] = 1 + d["accepted"] / d["verifies"] if d["verifies"] else 0.0
+        out[method] = d
+    return out
+
+
 def new_client(max_concurrency: int) -> httpx.AsyncClient:
     """An async client with room for every stream of the largest rung."""
     limits = httpx.Limits(max_connections=max_concurrency + 8,
@@ -138,20 +184,25 @@ async def run_sweep(target: Target, settings: SweepSettings, label: str | None =
     result = SweepResult(label=label or f"{target.model}@{target.root}", url=target.root,
                          model=target.model, endpoint=target.endpoint, settings=settings)
     async with new_client(max(settings.concurrency)) as client:
-        shape = await measure_shape(client, target, settings.isl)
+        shape = await measure_shape(client, target, settings.isl,
+                                    workload=settings.workload)
         result.prompt_shape = shape
         if settings.warmup:
-            prompts = prompt_set(shape, settings.isl, settings.warmup, seed=settings.seed + 997)
+            prompts = prompt_set(shape, settings.isl, settings.warmup, seed=settings.seed + 997,
+                                 workload=settings.workload)
             bodies = [target.body(p, settings.osl, **settings.sampling()) for p in prompts]
             with Progress(len(bodies), "warmup", progress_stream) as bar:
                 await run_batch(client, target, bodies, max(settings.concurrency),
                                 settings.timeout, bar)
         for rung, c in enumerate(settings.concurrency):
             n = c * settings.reps
-            prompts = prompt_set(shape, settings.isl, n, seed=settings.seed * 7919 + rung + 1)
+            prompts = prompt_set(shape, settings.isl, n, seed=settings.seed * 7919 + rung + 1,
+                                 workload=settings.workload)
             bodies = [target.body(p, settings.osl, **settings.sampling()) for p in prompts]
+            before = await spec_counters(client, target)
             with Progress(n, f"concurrency {c:>3}", progress_stream) as bar:
                 results, wall = await run_batch(client, target, bodies, c, settings.timeout,
                                                 bar)
-            result.rungs.append(rung_stats(c, results, wall))
+            spec = spec_delta(before, await spec_counters(client, target))
+            result.rungs.append(replace(rung_stats(c, results, wall), spec=spec))
     return result

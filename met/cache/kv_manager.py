@@ -102,6 +102,17 @@ class KVCacheManager:
             return None
         return len(tokens) if prompt_len is None else prompt_len
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past those ``num_tokens`` tokens need (tail first):
+        what speculative drafts that verification rejected had taken. They were never
+        committed to the prefix cache (commits stop at the request's real tokens)."""
+        blocks = self._blocks.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.release(tail[::-1])
+
     def block_table(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
 

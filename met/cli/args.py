@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from met.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
+from met.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, SpeculativeConfig
 from met.kernels.registry import attention_backend_names, linear_method_names
 from met.loader.resolve import hf_cache_dirs
 
@@ -49,6 +49,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "dtype always; int8: each key/value row as int8 with a float32 scale, "
                         "~half the bytes per token of bfloat16 (more tokens in the pool, less "
                         "to read per decode step)")
+    p.add_argument("--speculative-config", default=None, type=_parse_speculative,
+                   help='speculative decoding as JSON with vLLM\'s keys, e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: '
+                        'ngram (prompt lookup: prompt_lookup_min/max), suffix (also over '
+                        'recent finished requests: suffix_cache_requests); "gate": false '
+                        'speculates even where it measured slower. Output is the same as '
+                        'without it')
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--cache-dir", default=None,
@@ -65,6 +72,13 @@ def parse_bytes(text: str) -> int:
         return int(low)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)") from None
+
+
+def _parse_speculative(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parse_logit_bias(text: str) -> dict[int, float]:
@@ -127,6 +141,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         cache_dir=args.cache_dir, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, linear_backend=args.linear_backend,
         attention_backend=args.attention_backend,
+        speculative_config=args.speculative_config,
     )
 
 

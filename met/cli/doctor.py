@@ -64,7 +64,8 @@ def collect(host: str = "127.0.0.1", port: int = 8888,
     from met.kernels.capability import probe
 
     cap = probe()
-    return [*_python(), *_packages(), *_cpu(cap), *_kernels(cap), *_gpu(), *_memory(),
+    return [*_python(), *_packages(), *_cpu(cap), *_kernels(cap), _speculation(), *_gpu(),
+            *_memory(),
             *_hf_cache(cache_dir), *_embedded(), _port(host, port), _auth()]
 
 
@@ -172,6 +173,16 @@ def _plans(cap) -> list[Check]:
     return [Check("Kernels", "auto picks", INFO,
                   f"linear {', '.join(picks)}; attention {attention} (`met kernels list` "
                   f"says why the others do not run)")]
+
+
+def _speculation() -> Check:
+    from met.config import SPEC_METHODS
+
+    return Check("Engine", "speculative decoding", INFO,
+                 f"--speculative-config methods: {', '.join(SPEC_METHODS)} (ngram, suffix: "
+                 "prompt lookup, no model; draft_model: a checkpoint with the same tokenizer; "
+                 "self: the model's own first layers); MTP heads: none of the loaded "
+                 "families has them yet")
 
 
 def _gpu() -> list[Check]:

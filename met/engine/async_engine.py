@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from met.cache.kv_manager import KVStats
 from met.engine.core import EngineCore, RequestUpdate
 from met.sampling.params import SamplingParams
+from met.spec.decoder import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class EngineStats:
     kv_pool_bytes: int = 0  # what the KV pool takes
     kv_pool_tokens: int = 0  # the tokens it holds (blocks x block size)
     kv_cache_dtype: str = ""  # the element type the cache stores (EngineCore.kv_stored)
+    spec: SpecStats | None = None  # speculative decoding's totals; None: it is off
 
 
 StreamItem = RequestUpdate | RequestFailed
@@ -338,4 +340,5 @@ class AsyncEngine:
         self.stats = EngineStats(len(sched.running), len(sched.waiting), sched.num_preemptions,
                                  core.kv_stats(), core.kernel_labels, core.weight_bytes,
                                  core.kv_pool_bytes, core.kv_pool_tokens,
-                                 core.kv_stored)
+                                 core.kv_stored,
+                                 core.spec.stats() if core.spec is not None else None)

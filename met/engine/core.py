@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from met.cache.kv_manager import KVCacheManager, KVStats
 from met.config import EngineConfig
+from met.engine.drafter import ModelDrafter
 from met.kernels import kv_cache, native
 from met.loader.model_loader import LoadedModel, load_model
 from met.runner.batch_plan import BatchPolicy
-from met.runner.model_runner import ModelRunner, kv_bytes_per_block
+from met.runner.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from met.sampling.grammar import GrammarCompiler
 from met.sampling.logit_edits import dry_breaker_ids
 from met.sampling.params import SamplingParams
@@ -20,8 +22,12 @@ from met.sampling.sampler import Sampler
 from met.sampling.thinking import ThinkingState
 from met.scheduler.request import Request
 from met.scheduler.scheduler import Scheduler
+from met.spec.decoder import SpecDecoder
 
 log = logging.getLogger(__name__)
+
+_DEAD_END = ("structured output: the grammar allows no next token here (a dead end, e.g. "
+             "min_tokens, bad_words or allowed_token_ids exclude what it needs)")
 
 _DEFAULT_KV_CAP = 2 << 30  # bytes: default pool ceiling when kv_cache_memory is unset
 
@@ -43,6 +49,18 @@ class RequestUpdate:
     # Set (with finish_reason "error") when the request failed on its own, e.g. its grammar
     # reached a dead end; the server fails that request and no other.
     error: str | None = None
+
+
+def _check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must speak the target's tokens: the same vocabulary, id for id."""
+    t_size, d_size = target.hf_config.vocab_size, draft.hf_config.vocab_size
+    t_vocab = target.tokenizer.get_vocab() if target.tokenizer is not None else None
+    d_vocab = draft.tokenizer.get_vocab() if draft.tokenizer is not None else None
+    if d_size > t_size or (t_vocab is not None and d_vocab is not None and t_vocab != d_vocab):
+        raise ValueError(f"speculative_config.model: the draft's tokenizer differs from the "
+                         f"target's (vocabularies of {len(d_vocab or ()) or d_size} and "
+                         f"{len(t_vocab or ()) or t_size} tokens); a draft model must share "
+                         "the target's tokenizer")
 
 
 class EngineCore:
@@ -85,6 +103,7 @@ class EngineCore:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             split_at_prompt_end=self.batch_policy.split_chunks_at_prompt_end)
         self.sampler = Sampler(config.seed)
+        self.spec = self._spec_decoder(num_blocks)
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None
         log.info("memory: weights %.1f MiB, KV pool %.1f MiB (%d blocks x %d tokens = %d "
@@ -92,6 +111,35 @@ class EngineCore:
                  num_blocks, config.block_size, self.kv_pool_tokens,
                  f"{self.kv_cache_dtype} rows + scales"
                  if self.kv_cache_dtype in kv_cache.QUANTIZED else self.kv_stored)
+
+    def _spec_decoder(self, num_blocks: int) -> SpecDecoder | None:
+        """Speculative decoding as configured; a model drafter gets a KV pool of as many
+        tokens as the target's."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method not in ("draft_model", "self"):
+            return SpecDecoder(spec)
+        if spec.method == "self":
+            layers = self.loaded.model.kv_layout[0]
+            n = spec.num_draft_layers or max(1, layers // 4)
+            model = self.loaded.model.first_layers(n)
+            name = "self"
+            log.info("speculative decoding: self drafts with %d of %d layers", n, layers)
+            backend = self.runner.attention_backend
+        else:
+            draft = load_model(spec.model, self.dtype, self.device, self.max_model_len,
+                               self.config.cache_dir, self.config.quantization,
+                               self.config.max_num_seqs, self.config.dtype == "auto")
+            _check_same_vocabulary(self.loaded, draft)
+            model, name = draft.model, "draft_model"
+            backend = ("cpu-native" if draft.kernel_plan is None
+                       else draft.kernel_plan.attention.name)
+        drafter = ModelDrafter(name, model, num_blocks, self.config.block_size, self.dtype,
+                               self.device, self.kv_cache_dtype, backend)
+        log.info("speculative decoding: %s drafts up to %d tokens per step", name,
+                 spec.num_speculative_tokens)
+        return SpecDecoder(spec, drafter)
 
     def _resolve_kv_cache_dtype(self) -> str:
         """--kv-cache-dtype as it runs: "auto" is the model's dtype, except where --dtype auto
@@ -196,6 +244,8 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, "abort")
+            if self.spec is not None:
+                self.spec.finished(req.request_id, req.all_token_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -205,7 +255,12 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         """Run one engine step and report every request that produced a token or finished."""
+        start = time.perf_counter()
+        width = self._propose()
         sched = self.scheduler.schedule()
+        if self.spec is not None:
+            for req in self.scheduler.running:
+                req.spec_token_ids = []  # what was scheduled rides in `sched`
         if not sched.scheduled:
             return []
         tables = {s.request.request_id: self.kv.block_table(s.request.request_id)
@@ -220,48 +275,126 @@ class EngineCore:
         for rid, (start, logits) in step_logits.prompt_logits.items():
             self._add_prompt_logprobs(self.requests[rid], start, logits)
 
+        drafts: dict[str, tuple[int, ...]] = {}
         for item in sched.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+            if item.spec_token_ids:
+                drafts[item.request.request_id] = item.spec_token_ids
 
-        if not step_logits.request_ids:
-            return []
+        updates = self._sample(step_logits, drafts) if step_logits.request_ids else []
+        if self.spec is not None:
+            emitted = sum(len(u.new_token_ids) for u in updates)
+            self.spec.gate.record(width, emitted, time.perf_counter() - start)
+        return updates
+
+    def _propose(self) -> int:
+        """Draft tokens for the running decodes that speculate this step; returns the step's
+        batch width (the gate's bucket key)."""
+        running = self.scheduler.running
+        width = len(running) + (1 if self.scheduler.waiting else 0)
+        spec = self.spec
+        if spec is None or not spec.gate.on(width):
+            return width
+        asks = [(req.request_id, req.all_token_ids,
+                 min(req.params.max_tokens - req.num_output_tokens,
+                     self.max_model_len - req.num_tokens) - 1)
+                for req in running
+                if (req.params.speculative and req.num_computed_tokens == req.num_tokens - 1
+                    and req.num_output_tokens > 0)]
+        if asks:
+            drafts = spec.propose(asks)
+            for req in running:
+                req.spec_token_ids = drafts.get(req.request_id, [])
+        return width
+
+    def _sample(self, step_logits: StepLogits,
+                drafts: dict[str, tuple[int, ...]]) -> list[RequestUpdate]:
+        """Tokens for every request with logits, in rounds: round j samples row j of each
+        request still verifying, exactly as a decode would after the tokens accepted so far
+        (penalties, grammar, thinking and seeded draws all advance one token at a time). A
+        request keeps verifying while its sampled token equals its next draft: the emitted
+        tokens are then the target's own samples, so every output distribution is the one
+        without speculation (a draft only saves the forward passes it was right about)."""
         reqs = [self.requests[rid] for rid in step_logits.request_ids]
-        result = self.sampler(step_logits.logits, reqs)
+        num_rows = step_logits.num_rows or [1] * len(reqs)
+        offsets = [0]
+        for n in num_rows[:-1]:
+            offsets.append(offsets[-1] + n)
+        emitted: list[list[int]] = [[] for _ in reqs]
+        lps: list[list[dict[int, float]]] = [[] for _ in reqs]
+        accepted = [0] * len(reqs)
+        failed: dict[int, RequestUpdate] = {}
+        alive = list(range(len(reqs)))
+        j = 0
+        while alive:
+            rows = [offsets[i] + j for i in alive]
+            logits = (step_logits.logits if len(rows) == step_logits.logits.shape[0]
+                      else step_logits.logits[torch.tensor(rows)])
+            result = self.sampler(logits, [reqs[i] for i in alive])
+            dead = set(result.dead_ends)
+            still = []
+            for row, (i, token, lp) in enumerate(
+                    zip(alive, result.token_ids, result.logprobs, strict=True)):
+                req = reqs[i]
+                error = (_DEAD_END if row in dead else self._take(req, token, lp))
+                if error is not None:
+                    failed[i] = self._fail(req, error)
+                    continue
+                emitted[i].append(req.all_token_ids[-1])
+                if lp is not None:
+                    lps[i].append(lp)
+                d = drafts.get(req.request_id, ())
+                if not req.is_finished and j < len(d) and d[j] == req.all_token_ids[-1]:
+                    req.num_computed_tokens += 1  # the draft's KV was computed: keep it
+                    accepted[i] += 1
+                    still.append(i)
+            alive = still
+            j += 1
+
         updates = []
-        dead = set(result.dead_ends)
-        for row, (req, token, lp) in enumerate(
-                zip(reqs, result.token_ids, result.logprobs, strict=True)):
-            if row in dead:
-                updates.append(self._fail(req, "structured output: the grammar allows no next "
-                                          "token here (a dead end, e.g. min_tokens, "
-                                          "bad_words or allowed_token_ids exclude what it "
-                                          "needs)"))
+        for i, req in enumerate(reqs):
+            d = drafts.get(req.request_id)
+            if d and self.spec is not None:
+                self.spec.record(len(d), accepted[i])
+            if i in failed:
+                updates.append(failed[i])
                 continue
-            grammar_applied = req.grammar_applies()
-            if req.thinking is not None:
-                token = req.thinking.on_token(token)  # an EOS inside thinking closes it
-                grammar_applied = grammar_applied and not req.thinking.in_thinking
-            req.all_token_ids.append(token)
-            if lp is not None:
-                req.logprobs.append(lp)
-            if grammar_applied and not req.grammar.accept(token):
-                updates.append(self._fail(req, f"structured output: the grammar rejected "
-                                          f"token {token}"))
-                continue
-            self._check_stop(req, token)
-            first = req.num_output_tokens == 1 and req.params.prompt_logprobs is not None
+            if d and not req.is_finished:
+                self.kv.truncate(req.request_id, req.num_tokens)  # the rejected drafts' blocks
+            first = (req.num_output_tokens == len(emitted[i])
+                     and req.params.prompt_logprobs is not None)
             updates.append(RequestUpdate(
-                req.request_id, [token], [lp] if lp is not None else [], req.is_finished,
+                req.request_id, emitted[i], lps[i], req.is_finished,
                 req.finish_reason, req.stop_reason, req.num_cached_tokens or 0,
                 list(req.prompt_logprobs) if first else None,
             ))
             if req.is_finished:
-                del self.requests[req.request_id]
+                self._forget(req)
         return updates
+
+    def _take(self, req: Request, token: int, lp: dict[int, float] | None) -> str | None:
+        """Append one sampled token (thinking may replace it); an error message when the
+        request fails on it."""
+        grammar_applied = req.grammar_applies()
+        if req.thinking is not None:
+            token = req.thinking.on_token(token)  # an EOS inside thinking closes it
+            grammar_applied = grammar_applied and not req.thinking.in_thinking
+        req.all_token_ids.append(token)
+        if lp is not None:
+            req.logprobs.append(lp)
+        if grammar_applied and not req.grammar.accept(token):
+            return f"structured output: the grammar rejected token {token}"
+        self._check_stop(req, token)
+        return None
+
+    def _forget(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        if self.spec is not None:
+            self.spec.finished(req.request_id, req.all_token_ids)
 
     def _fail(self, req: Request, message: str) -> RequestUpdate:
         self.scheduler.finish(req, "error")
-        del self.requests[req.request_id]
+        self._forget(req)
         return RequestUpdate(req.request_id, [], [], True, "error", None,
                              req.num_cached_tokens or 0, error=message)
 

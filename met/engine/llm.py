@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from met.cache.kv_manager import KVStats
-from met.config import EngineConfig
+from met.config import EngineConfig, SpeculativeConfig
 from met.engine.core import EngineCore
 from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.beam_search import beam_state, live_beam_requests, top_pairs
@@ -43,6 +43,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         linear_backend: str = "auto",
         attention_backend: str = "auto",
+        speculative_config: SpeculativeConfig | Mapping | str | None = None,
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -51,6 +52,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, cache_dir=cache_dir, seed=seed,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             linear_backend=linear_backend, attention_backend=attention_backend,
+            speculative_config=speculative_config,
         )
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer

@@ -47,6 +47,9 @@ class SeqSpan:
     q_len: int
     ctx_len: int
     ctx_slots: torch.Tensor  # long [ctx_len]: flat KV slot of every context position
+    # Each query row attends alone through the one-row (decode) kernel: a speculative
+    # verify's rows then attend exactly as the decodes they stand for would.
+    rows_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def _build_plan(seqs: tuple[SeqSpan, ...], window: int | None,
     offsets = [0]
     per_seq = []
     for span in seqs:
-        if row_attention and span.q_len > 1:
+        if (row_attention or span.rows_apart) and span.q_len > 1:
             slots, lengths = _row_slots(span, window)
             rows.extend(range(span.q_start, span.q_start + span.q_len))
             slot_parts.append(slots)

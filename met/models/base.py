@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
@@ -81,6 +82,25 @@ class CausalLM(nn.Module, ABC):
         for module in self.modules():  # bfloat16 on CPU: oneDNN's weight layout, once
             if isinstance(module, (Linear, LMHead)):
                 module.pack()
+
+    def first_layers(self, n: int) -> CausalLM:
+        """This model cut after its first ``n`` decoder layers, then its final norm and LM
+        head: self-speculation's draft. It shares every weight (no copy); its KV layout has
+        ``n`` layers, so it runs on its own small cache."""
+        layers = self.model.layers
+        if not 1 <= n < len(layers):
+            raise ValueError(f"speculative_config.num_draft_layers: must be in [1, "
+                             f"{len(layers) - 1}] for this {len(layers)}-layer model, got {n}")
+        backbone = copy.copy(self.model)
+        backbone._modules = dict(self.model._modules)
+        backbone.layers = nn.ModuleList(list(layers)[:n])
+        draft = copy.copy(self)
+        draft.__dict__ = {k: v for k, v in self.__dict__.items()
+                          if not k.startswith("_fused") and k != "_layer_stack"}
+        draft._modules = dict(self._modules)
+        draft._modules["model"] = backbone
+        draft.kv_layout = (n, *self.kv_layout[1:])
+        return draft
 
     def weight_bytes(self) -> int:
         """Bytes the weights take: parameters and buffers, plus GGUF blocks (each storage

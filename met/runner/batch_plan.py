@@ -32,6 +32,9 @@ class StepRequest(Protocol):
 class ScheduledRequest:
     request: StepRequest
     num_new_tokens: int  # tokens to compute this step, starting at num_computed_tokens
+    # Draft tokens verified this step after the request's last token (counted in
+    # num_new_tokens): the step computes its tokens [num_computed_tokens:] + these.
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,13 @@ class StepLogits:
     """Float32 logits for the requests whose last scheduled token reached their end."""
 
     request_ids: list[str]
-    logits: torch.Tensor  # [len(request_ids), vocab]
+    logits: torch.Tensor  # [sum(num_rows), vocab]: each request's rows, in order
     # Requests that asked for prompt logprobs: request id → (first position, logits of the
     # prompt positions this step computed, each predicting the token after it).
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # Logit rows per request: 1, or 1 + its drafts when it verifies speculative tokens (row
+    # j then predicts the token after draft j). Empty: one row each.
+    num_rows: list[int] = field(default_factory=list)
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype,
@@ -40,6 +43,7 @@ class ModelRunner:
         self.policy = policy  # the engine's, decided once (`BatchPolicy`)
         self.block_size = block_size
         self.device = device
+        self.attention_backend = attention_backend
         layers, kv_heads, head_dim = model.kv_layout
         # Head-major, slot-flat: one index_select per request gathers its context per head.
         self.kv_caches = [
@@ -51,13 +55,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
         items, prompt_rows = self.policy.order(step.scheduled)
-        batch, sample_rows, sample_ids = self._build_batch(items, prompt_rows, block_tables)
+        batch, sample_rows, sample_ids, num_rows = self._build_batch(items, prompt_rows,
+                                                                     block_tables)
         hidden = self.model(batch, self.kv_caches)
         prompt_logits = self._prompt_logits(items, hidden)
         if not sample_rows:
             return StepLogits([], torch.empty(0), prompt_logits)
         rows = torch.tensor(sample_rows, device=self.device)
-        return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]), prompt_logits)
+        return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]), prompt_logits,
+                          num_rows)
 
     def _prompt_logits(self, items: list[ScheduledRequest],
                        hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
@@ -79,11 +85,13 @@ class ModelRunner:
     def _build_batch(
         self, items: list[ScheduledRequest], prompt_rows: int,
         block_tables: dict[str, list[int]]
-    ) -> tuple[ForwardBatch, list[int], list[str]]:
+    ) -> tuple[ForwardBatch, list[int], list[str], list[int]]:
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        num_rows: list[int] = []
+        apart: list[bool] = []
         bounds: list[tuple[int, int, int, int]] = []  # per request: row, start, end, blocks
         blocks: list[int] = []  # every request's context blocks, one after another
         for item in items:
@@ -91,14 +99,19 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + n
             q_start = len(ids)
-            ids.extend(req.all_token_ids[start:end])
+            drafts = item.spec_token_ids
+            ids.extend(req.all_token_ids[start:end - len(drafts)])
+            ids.extend(drafts)
             positions.extend(range(start, end))
             table = block_tables[req.request_id][: -(-end // self.block_size)]
             bounds.append((q_start, start, end, len(table)))
+            apart.append(bool(drafts))
             blocks.extend(table)
-            if end == req.num_tokens:  # caught up: this row's logits give the next token
-                sample_rows.append(q_start + n - 1)
+            if end == req.num_tokens + len(drafts):  # caught up: the next token('s checks)
+                first = q_start + n - 1 - len(drafts)
+                sample_rows.extend(range(first, q_start + n))
                 sample_ids.append(req.request_id)
+                num_rows.append(1 + len(drafts))
         # Every request's context slots as views into one tensor: two tensor ops per step
         # instead of two per request (per-request ops dominated wide decode steps).
         bs = self.block_size
@@ -107,11 +120,11 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         new_slots: list[torch.Tensor] = []
         first = 0
-        for q_start, start, end, num_blocks in bounds:
+        for (q_start, start, end, num_blocks), rows_apart in zip(bounds, apart, strict=True):
             ctx_slots = all_slots[first:first + end]
             first += num_blocks * bs
             new_slots.append(ctx_slots[start:end])
-            spans.append(SeqSpan(q_start, end - start, end, ctx_slots))
+            spans.append(SeqSpan(q_start, end - start, end, ctx_slots, rows_apart))
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -121,4 +134,4 @@ class ModelRunner:
             row_attention=self.model.row_attention,
             prompt_rows=prompt_rows,
         )
-        return batch, sample_rows, sample_ids
+        return batch, sample_rows, sample_ids, num_rows

@@ -185,6 +185,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     thinking_budget: ThinkingBudget | None = None
+    # False: this request never speculates (where the engine runs with a speculative config).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -48,6 +48,9 @@ class Request:
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY sequence breakers as token ids
     grammar: Any = None  # a GrammarState when params.structured_outputs is set
     thinking: Any = None  # a ThinkingState when params.thinking_budget is set
+    # Draft tokens proposed for the next step (speculative decoding): verified after
+    # all_token_ids, never part of them until the target accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def grammar_applies(self) -> bool:
         """A grammar holds the output only outside thinking (a budgeted reasoning model's

@@ -50,6 +50,13 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            drafts = self._drafts(req, n, budget)
+            if drafts:
+                scheduled.append(ScheduledRequest(req, n + len(drafts), drafts))
+                self._publish_blocks(req, req.num_computed_tokens + n)
+                budget -= n + len(drafts)
+                i += 1
+                continue
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -86,6 +93,17 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(scheduled, preempted)
 
+    def _drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
+        """The drafts this decode verifies: what the budget and free blocks allow without
+        preempting anyone (speculation never evicts a request)."""
+        if n != 1 or not req.spec_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            return ()
+        drafts = tuple(req.spec_token_ids[:budget - 1])
+        if not drafts or not self.kv.allocate(req.request_id,
+                                              req.num_computed_tokens + 1 + len(drafts)):
+            return ()
+        return drafts
+
     def _publish_blocks(self, req: Request, num_tokens: int) -> None:
         """Index the full blocks this step will have computed, before the step runs.
 
@@ -109,6 +127,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -114,6 +114,7 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
     stream: bool = False
+    speculative: bool = True  # false: this request never speculates (met's own field)
 
 
 FIELD_NAMES = model_field_names(ContentBlock, InputMessage, Tool, ToolChoice, ThinkingConfig,
@@ -151,7 +152,7 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                      stream=req.stream)
+                      stream=req.stream, speculative=req.speculative)
         fmt = req.output_config.format if req.output_config else None
         if fmt is not None:
             fields["response_format"] = ResponseFormat(

@@ -135,6 +135,7 @@ class SamplingFields(_Body):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     user: str | None = None  # accepted, unused
+    speculative: bool = True  # false: this request never speculates (met's own field)
 
     @property
     def include_usage(self) -> bool:

@@ -296,6 +296,7 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
             num_beams=req.num_beams,
             length_penalty=req.length_penalty,
             early_stopping=req.early_stopping,
+            speculative=req.speculative,
         )
     except ValueError as e:
         raise from_value_error(e) from None

@@ -19,11 +19,12 @@ T = TypeVar("T")
 
 
 def run_with_app(ckpt: str, chat_template: str | None,
-                 work: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
-    """Start the app on the tiny checkpoint ``ckpt``, wait until it serves, run ``work``
-    with a client for it, then shut it down; what ``work`` returned."""
-    engine = AsyncEngine(lambda: EngineCore(EngineConfig(model=ckpt, dtype="float32",
-                                                         max_model_len=256)))
+                 work: Callable[[httpx.AsyncClient], Awaitable[T]], **engine_fields) -> T:
+    """Start the app on the tiny checkpoint ``ckpt`` (EngineConfig ``engine_fields`` on top
+    of the defaults), wait until it serves, run ``work`` with a client for it, then shut it
+    down; what ``work`` returned."""
+    fields = {"dtype": "float32", "max_model_len": 256} | engine_fields
+    engine = AsyncEngine(lambda: EngineCore(EngineConfig(model=ckpt, **fields)))
     app = build_app(ServerConfig(served_model_names=("tiny",), chat_template=chat_template),
                     engine)
 

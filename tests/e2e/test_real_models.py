@@ -217,3 +217,42 @@ def test_gemma3_q4_k_m_served_from_its_blocks_takes_about_the_files_memory(start
           f"KV pool {pool / 2**20:.0f} MiB")
     assert rss * 1024 <= weights + pool + (1 << 30), (rss, weights, pool)
     assert "memory: weights" in server.log()
+
+
+REPEATING = ["Count: one two three four five, one two three four five, one two three",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+             "def mul(a, b):"]
+NGRAM = {"method": "ngram", "gate": False}
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_speculation_on_the_real_ggufs_matches_transformers(model, hf_gemma3):
+    """Prompt lookup on text that repeats, float32: drafts are accepted and the tokens are
+    transformers' own, batched and alone; the default path (w4a8 / gguf blocks, bfloat16
+    where the CPU has it) gives the same tokens with speculation on as off."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model == "gemma3":
+        path, hf = hf_gemma3
+    else:
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    batched = llm.generate(REPEATING + PROMPTS[:1], greedy)
+    for text, out in zip(REPEATING + PROMPTS[:1], batched, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, tok, text, 40), text
+    alone = llm.generate(REPEATING[:1], greedy)[0]
+    assert alone.outputs[0].token_ids == batched[0].outputs[0].token_ids
+    stats = llm.engine.spec.stats()
+    assert stats.accepted > 20 and stats.mean_accepted_length > 2, stats
+    assert llm.kv_stats().num_blocks_in_use == 0
+
+    auto_off = LLM(str(path), max_model_len=256)
+    auto_on = LLM(str(path), max_model_len=256, speculative_config=NGRAM)
+    assert auto_on.engine.quantization == auto_off.engine.quantization
+    want = [o.outputs[0].token_ids for o in auto_off.generate(REPEATING, greedy)]
+    assert [o.outputs[0].token_ids for o in auto_on.generate(REPEATING, greedy)] == want
+    assert auto_on.engine.spec.stats().accepted > 0

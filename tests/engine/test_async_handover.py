@@ -24,6 +24,7 @@ class _CountingCore:
     kernel_labels = ()  # EngineCore's kernel-plan labels (none here)
     weight_bytes = kv_pool_bytes = kv_pool_tokens = 0  # what EngineCore reports of its memory
     kv_stored = "float32"
+    spec = None  # speculative decoding off
 
     def __init__(self, received: list):
         self.received = received
