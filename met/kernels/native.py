@@ -102,6 +102,25 @@ def _missing_files(ext: Extension) -> list[str]:
     return [s for s in ext.sources if not (CSRC / s).is_file()]
 
 
+_STALE_LOCK_S = 600  # the slowest build takes under a minute
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch waits forever on the lock file of a build that was killed midway (its
+    process gone, the file left): one older than any build could be is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        log.warning("native CPU kernels %s: removing a build lock left %.0f s ago by a "
+                    "build that did not finish (%s)", name, age, lock)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def load_native_ops(key: str) -> object | None:
     """``torch.ops.<namespace(key)>`` after building (if not built yet) and loading the
@@ -117,6 +136,7 @@ def load_native_ops(key: str) -> object | None:
                                     f"install: the package must ship csrc/*.cpp and *.h)")
         _put_pip_ninja_on_path()
         name = namespace(key)
+        _clear_stale_lock(name)
         lib_path = load(
             name=name,
             sources=[str(CSRC / s) for s in ext.sources],

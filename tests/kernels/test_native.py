@@ -68,3 +68,23 @@ def test_prepare_loads_what_runs_here():
     loaded = native.prepare()
     assert loaded and all(loaded.values()), loaded
     assert set(loaded) == {e.key for e in native.runnable()}
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path, monkeypatch):
+    """torch waits forever on a lock file whose build died; an old one is removed, a fresh
+    one (a build running now in another process) is left alone."""
+    import os
+    import time
+
+    from met.kernels import native
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age, kept in (("met_stale_0", native._STALE_LOCK_S + 60, False),
+                            ("met_fresh_0", 5, True)):
+        (tmp_path / name).mkdir()
+        lock = tmp_path / name / "lock"
+        lock.touch()
+        then = time.time() - age
+        os.utime(lock, (then, then))
+        native._clear_stale_lock(name)
+        assert lock.exists() == kept, name
