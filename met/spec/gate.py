@@ -1,7 +1,8 @@
 """Whether speculation pays at this batch width: delivered tok/s measured in windows of steps
 with it on and with it off, per batch-width bucket (1, 2-3, 4-7, ...). The better mode runs;
-the other is measured again now and then, so speculation turns itself off where it is slower
-(wide batches, text that does not repeat) and back on when it pays again."""
+the other is measured again now and then (less often each time a probe loses), so
+speculation turns itself off where it is slower (wide batches, text that does not repeat)
+and back on when it pays again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 WINDOW_STEPS = 16  # steps per measurement window
 EXPLOIT_WINDOWS = 8  # windows of the better mode between two probes of the other
+MAX_EXPLOIT_WINDOWS = 64  # each probe that loses doubles the wait, up to this
 _SMOOTH = 0.5  # weight of the newest window in a mode's running tok/s
 
 
@@ -20,6 +22,8 @@ class _Bucket:
     tokens: int = 0
     seconds: float = 0.0
     since_probe: int = 0  # windows since the other mode was last measured
+    probe_every: int = EXPLOIT_WINDOWS  # windows of the better mode before the next probe
+    probing: bool = False  # the current window measures the worse mode again
 
 
 class ThroughputGate:
@@ -61,7 +65,11 @@ class ThroughputGate:
             return
         best = on >= off
         b.since_probe += 1
-        if b.mode != best:  # a probe (or a mode that fell behind) ended: back to the better
+        if b.probing:  # a probe ended: wait longer for the next if it lost, else reset
+            b.probing = False
+            b.probe_every = (min(2 * b.probe_every, MAX_EXPLOIT_WINDOWS) if b.mode != best
+                             else EXPLOIT_WINDOWS)
+        if b.mode != best:  # back to the better mode
             b.mode, b.since_probe = best, 0
-        elif b.since_probe >= EXPLOIT_WINDOWS:
-            b.mode, b.since_probe = not best, 0
+        elif b.since_probe >= b.probe_every:
+            b.mode, b.since_probe, b.probing = not best, 0, True

@@ -92,6 +92,20 @@ def test_gate_turns_speculation_off_where_it_is_slower_and_probes_it_again():
     assert g.on(1)  # a probe of speculation
     _window(g, 1, 400)  # now it pays (the text began to repeat)
     assert g.on(1)
+    # A probe that loses makes the next one wait twice as long.
+    g2 = ThroughputGate()
+    _window(g2, 1, 100)
+    _window(g2, 1, 150)  # off wins
+    waits = []
+    for _ in range(3):
+        n = 0
+        while not g2.on(1):
+            _window(g2, 1, 150)
+            n += 1
+        waits.append(n)
+        _window(g2, 1, 50)  # the probe loses
+    e = gate_mod.EXPLOIT_WINDOWS
+    assert waits == [e - 1, 2 * e, 4 * e], waits
     # Buckets are independent: a wide batch measures its own modes.
     assert g.on(32)
     assert ThroughputGate(enabled=False).on(1)
