@@ -249,3 +249,24 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="num_draft_layers: must be in"):
         _llm(tiny_checkpoint("llama"),
              speculative_config={"method": "self", "num_draft_layers": 2})
+
+
+@pytest.mark.parametrize("config", [{"method": "ngram", "gate": False},
+                                    {"method": "self", "num_draft_layers": 1, "gate": False}])
+def test_abort_mid_speculation_frees_every_block(config, tiny_checkpoint):
+    """A client that disconnects while its request verifies drafts: the target's blocks
+    (drafts' included) and the drafter's are all free again."""
+    llm = _llm(tiny_checkpoint("llama"), speculative_config=config)
+    core = llm.engine
+    for i, p in enumerate(oracle_prompts("llama")):
+        core.add_request(str(i), p, _greedy(150))
+    while core.spec.stats().accepted < 4 and core.spec.stats().drafted < 40:
+        core.step()
+    assert core.kv_stats().num_blocks_in_use > 0
+    for i in range(len(oracle_prompts("llama"))):
+        core.abort_request(str(i))
+    assert core.kv_stats().num_blocks_in_use == 0
+    drafter = getattr(core.spec.proposer, "kv", None)
+    if drafter is not None:
+        assert drafter.pool.num_free == drafter.pool.num_blocks
+    assert not core.has_unfinished()
