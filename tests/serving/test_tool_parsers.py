@@ -207,3 +207,29 @@ def test_call_cut_before_its_name_never_leaks_markup_into_content(cut):
     stream = parser.streamer()
     pieces = [stream.feed(ch) for ch in text] + [stream.finish()]
     assert "".join(p.content for p in pieces) == ""
+
+
+_FIRST = {
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; ',
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+                   "</function>\n</tool_call>\n",
+}
+
+
+@pytest.mark.parametrize("name,cut", [
+    ("llama3_json", '{"na'), ("llama3_json", '{"name": "get_w'), ("llama3_json", "{"),
+    ("mistral", "[TOOL_CALLS]"), ("mistral", "[TOOL_CALLS]get_w"),
+    ("qwen3_coder", "<tool_call>"), ("qwen3_coder", "<tool_call>\n<func"),
+    ("qwen3_coder", "<tool_call>\n<function=get_w"),
+])
+def test_other_parsers_never_leak_a_call_cut_before_its_name(name, cut):
+    """The same max_tokens cut for every parser: the first call is kept, the cut one is
+    dropped, and no markup reaches content (one-shot and stream)."""
+    parser = get_tool_parser(name, TOOLS)
+    text = _FIRST[name] + cut
+    content, calls = parser.parse(text)
+    assert content == "" and _calls(calls) == [("get_weather", {"city": "Rome"})], content
+    stream = parser.streamer()
+    pieces = [stream.feed(ch) for ch in text] + [stream.finish()]
+    assert "".join(p.content for p in pieces) == ""

@@ -54,8 +54,10 @@ class Llama3JsonToolParser(ToolParser):
                 if call is not None and call.name is not None:
                     calls.append(call)
                     return join_content([head, ""], len(calls), not final), calls
-                if not final and scan.ok:
-                    return join_content([head], len(calls), True), calls
+                if scan.ok and (not final or calls or tag >= 0):
+                    # Still being written, or cut by max_tokens before its name: markup.
+                    return join_content([head, ""] if calls else [head], len(calls),
+                                        not final), calls
                 break
             call = call_from_object(text, scan, True)
             if call is None or self._unknown(call):

@@ -107,9 +107,12 @@ class MistralToolParser(ToolParser):
             start = i + len(TOOL_CALLS)
             a = text.find(ARGS, start)
             if a < 0:
-                if final:
-                    return (calls, i) if calls else None
-                return calls, None
+                if not final:
+                    return calls, None
+                fragment = text[start:].strip()
+                if not any(c in fragment for c in " \n{[\"'"):
+                    return calls, len(text)  # cut before [ARGS]: markup, never content
+                return (calls, i) if calls else None
             name = text[start:a].strip()
             if not name or any(c in name for c in " \n{[\"'"):
                 return None

@@ -61,7 +61,9 @@ class Qwen3CoderToolParser(ToolParser):
                     break
                 cur, pos = "", end
                 continue
-            if not final:  # not known yet: hold it back
+            if not final or _cut_before_name(text, i, wrapped):
+                # Not known yet (held back), or a call max_tokens cut before its name was
+                # complete: markup, never content.
                 segments.append(cur + text[pos:i])
                 break
             # Not a call: its text, up to its closing tag, stays content.
@@ -178,3 +180,15 @@ def _skip_space(text: str, i: int) -> int:
 def _find_first(text: str, pos: int, tags: Sequence[str]) -> int:
     hits = [i for i in (text.find(t, pos) for t in tags) if i >= 0]
     return min(hits) if hits else -1
+
+
+def _cut_before_name(text: str, i: int, wrapped: bool) -> bool:
+    """The output ends inside the call that starts at ``i``, before its function name's
+    ``>``: ``<tool_call>``, ``<tool_call><func`` or ``<function=get_w``."""
+    rest = text[i + len(TOOL_CALL):].lstrip() if wrapped else text[i:]
+    if FUNCTION.startswith(rest):
+        return True
+    if not rest.startswith(FUNCTION):
+        return False
+    fragment = rest[len(FUNCTION):]
+    return not any(c in fragment for c in "<>\n")
