@@ -9,10 +9,10 @@ extras=""
 python3 -m pip install -q -e ".${extras}"
 # The web chat's browser tests drive Debian's chromium (not a browser Playwright downloads);
 # the serve dashboard's tests run it in a real terminal under tmux.
-apt_install() {  # PACKAGE WHAT-SKIPS-WITHOUT-IT
+apt_install() {  # PACKAGE WHAT-FAILS-WITHOUT-IT
     sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
     $sudo apt-get install -y -q "$1" || { $sudo apt-get update -q && \
-        $sudo apt-get install -y -q "$1"; } || echo "install.sh: no $1: $2 will skip" >&2
+        $sudo apt-get install -y -q "$1"; } || echo "install.sh: no $1: $2 will fail" >&2
 }
 if [ -n "$extras" ] && command -v apt-get >/dev/null; then
     [ -x /usr/bin/chromium ] || apt_install chromium "the web chat tests"
