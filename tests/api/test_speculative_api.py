@@ -26,6 +26,12 @@ def test_speculation_per_request_metrics_and_bad_field(ckpt):
         msg = await client.post("/v1/messages", json={
             "model": "tiny", "max_tokens": 8, "speculative": False,
             "messages": [{"role": "user", "content": "hi"}]})
+        resp = await client.post("/v1/responses", json={
+            "model": "tiny", "input": "hi", "max_output_tokens": 8, "speculative": False})
+        bad_resp = await client.post("/v1/responses", json={
+            "model": "tiny", "input": "hi", "speculative": [1]})
+        assert resp.status_code == 200, resp.text
+        assert bad_resp.status_code == 400 and "speculative" in bad_resp.text
         return (off, on, drafted_off, await metric(client, "met_spec_decode_num_draft_tokens"),
                 await metric(client, "met_spec_decode_num_accepted_tokens"),
                 await metric(client, "met_spec_decode_mean_accepted_length"), bad, msg,
