@@ -270,3 +270,18 @@ def test_abort_mid_speculation_frees_every_block(config, tiny_checkpoint):
     if drafter is not None:
         assert drafter.pool.num_free == drafter.pool.num_blocks
     assert not core.has_unfinished()
+
+
+@pytest.mark.parametrize("engine", [{"attention_backend": "torch"}, {"dtype": "bfloat16"},
+                                    {"kv_cache_dtype": "int8"}])
+def test_other_paths_give_the_same_tokens_with_speculation(engine, tiny_checkpoint):
+    """The PyTorch attention reference, bfloat16 and an int8 KV cache (paths whose own
+    distance from transformers is tested elsewhere): speculation changes no token."""
+    model_dir = tiny_checkpoint("llama")
+    prompts = [{"prompt_token_ids": p} for p in oracle_prompts("llama")]
+    off = _llm(model_dir, **engine)
+    on = _llm(model_dir, speculative_config={"model": str(model_dir), "gate": False}, **engine)
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, _greedy())]
+    assert [o.outputs[0].token_ids for o in on.generate(prompts, _greedy())] == want
+    assert on.engine.spec.stats().accepted > 20
+    assert on.kv_stats().num_blocks_in_use == 0
