@@ -92,3 +92,21 @@ def test_serve_with_a_missing_model_fails_fast():
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2
     assert "does not exist" in run.stderr
+
+
+def test_a_taken_port_fails_before_the_model_loads(tiny_checkpoint):
+    import socket
+    import time
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "met.cli", "serve",
+                              str(tiny_checkpoint("llama")), "--port", str(port)],
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 1, run.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in run.stderr and "--port" in run.stderr
+    assert "memory: weights" not in run.stderr  # no model was loaded first
+    assert time.perf_counter() - start < 60
