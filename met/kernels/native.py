@@ -189,12 +189,16 @@ def prepare(progress: Callable[[str], None] | None = None,
                  f"({', '.join(e.key for e in todo)}); later starts load them from "
                  f"{_build_root()}")
     result = {}
+    began = time.perf_counter()
     for ext in exts:
         start = time.perf_counter()
         result[ext.key] = load_native_ops(ext.key) is not None
         if ext in todo and progress is not None:
             state = "ok" if result[ext.key] else "FAILED (plain PyTorch instead)"
             progress(f"  {ext.key}: {state} in {time.perf_counter() - start:.1f} s")
+    if progress is not None and not todo:
+        progress(f"native CPU kernels: {sum(result.values())} of {len(exts)} libraries "
+                 f"loaded in {time.perf_counter() - began:.1f} s")
     return result
 
 

@@ -33,6 +33,12 @@ class LoadedModel:
     kernel_plan: KernelPlan | None = None  # the linear method and attention backend chosen
 
 
+def _size(path) -> str:
+    """A checkpoint's bytes on disk, for the log line that says what is being read."""
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+    return f"{sum(p.stat().st_size for p in files) / 2**20:.0f} MiB"
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None, cache_dir: str | None = None,
                quantization: str | None = None, max_num_seqs: int = 64,
@@ -51,6 +57,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         plan_kernels(LinearSpec(quantization, dtype, device.type), linear_backend,
                      attention_backend)
     source = resolve_model(model, cache_dir)
+    log.info("reading %s (%s)", source.path, _size(source.path))
     if source.kind == "gguf":
         from met.loader.gguf import load_gguf
 
