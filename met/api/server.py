@@ -97,19 +97,16 @@ def _server_core(engine_config: EngineConfig) -> EngineCore:
     return core
 
 
-def _port_taken(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on (as uvicorn would: SO_REUSEADDR), or None."""
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, or None. Bound as uvicorn binds
+    (SO_REUSEADDR), so only a listener counts as taken, not a socket in TIME_WAIT."""
     if not port:
         return None
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        return str(e)
-    family, _, _, _, addr = infos[0]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(addr)
+            s.bind((host, port))
         except OSError as e:
             return e.strerror or str(e)
     return None
@@ -120,7 +117,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
           ) -> int:
     """Run the server until a signal drains it; 1 if the model failed to load. ``attach``
     (the CLI's terminal dashboard) is entered around the run with the server and its app."""
-    taken = _port_taken(config.host, config.port)
+    taken = port_taken(config.host, config.port)
     if taken is not None:  # before any model load: a user should not wait to learn this
         log.error("met: cannot listen on %s:%s (%s); pick another --port or stop what "
                   "holds it", config.host, config.port, taken)

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from met.bench.loadgen import RequestResult, Target, stream_request
 from met.bench.progress import Progress
@@ -145,14 +146,14 @@ async def spec_counters(client: httpx.AsyncClient,
     if r.status_code != 200:
         return None
     out: dict[str, dict[str, float]] = {}
-    for line in r.text.splitlines():
-        name, _, rest = line.partition("{")
-        if name not in _SPEC_COUNTERS:
-            continue
-        labels, _, value = rest.rpartition("} ")
-        method = next((kv.split("=", 1)[1].strip('"') for kv in labels.split(",")
-                       if kv.startswith("method=")), "?")
-        out.setdefault(method, {})[_SPEC_COUNTERS[name]] = float(value)
+    try:
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                key = _SPEC_COUNTERS.get(sample.name)
+                if key is not None:
+                    out.setdefault(sample.labels.get("method", "?"), {})[key] = sample.value
+    except ValueError:  # not Prometheus text (another engine's page)
+        return None
     return out or None
 
 

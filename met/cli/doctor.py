@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -267,16 +266,13 @@ def _embedded() -> list[Check]:
 
 
 def _port(host: str, port: int) -> Check:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # As uvicorn binds: SO_REUSEADDR, so only a listener (not TIME_WAIT) counts as taken.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return Check("Network", f"port {port}", FAIL, f"{host}:{port} is taken ({e.strerror})",
-                         f"stop what listens there (`ss -ltnp 'sport = :{port}'` shows it) "
-                         f"or serve elsewhere: met serve --port {port + 1}")
+    from met.api.server import port_taken
+
+    taken = port_taken(host, port)
+    if taken is not None:
+        return Check("Network", f"port {port}", FAIL, f"{host}:{port} is taken ({taken})",
+                     f"stop what listens there (`ss -ltnp 'sport = :{port}'` shows it) "
+                     f"or serve elsewhere: met serve --port {port + 1}")
     return Check("Network", f"port {port}", OK, f"{host}:{port} is free for `met serve`")
 
 

@@ -54,13 +54,13 @@ class RequestUpdate:
 def _check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """A draft model must speak the target's tokens: the same vocabulary, id for id."""
     t_size, d_size = target.hf_config.vocab_size, draft.hf_config.vocab_size
-    t_vocab = target.tokenizer.get_vocab() if target.tokenizer is not None else None
-    d_vocab = draft.tokenizer.get_vocab() if draft.tokenizer is not None else None
-    if d_size > t_size or (t_vocab is not None and d_vocab is not None and t_vocab != d_vocab):
+    same = d_size <= t_size
+    if same and target.tokenizer is not None and draft.tokenizer is not None:
+        same = target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+    if not same:
         raise ValueError(f"speculative_config.model: the draft's tokenizer differs from the "
-                         f"target's (vocabularies of {len(d_vocab or ()) or d_size} and "
-                         f"{len(t_vocab or ()) or t_size} tokens); a draft model must share "
-                         "the target's tokenizer")
+                         f"target's (vocabularies of {d_size} and {t_size} tokens); a draft "
+                         "model must share the target's tokenizer")
 
 
 class EngineCore:

@@ -108,9 +108,7 @@ _STALE_LOCK_S = 600  # the slowest build takes under a minute
 def _clear_stale_lock(name: str) -> None:
     """torch waits forever on the lock file of a build that was killed midway (its
     process gone, the file left): one older than any build could be is removed."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    lock = _build_root() / name / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:

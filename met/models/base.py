@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
@@ -95,8 +96,10 @@ class CausalLM(nn.Module, ABC):
         backbone._modules = dict(self.model._modules)
         backbone.layers = nn.ModuleList(list(layers)[:n])
         draft = copy.copy(self)
+        # Cached execution plans (fused layers, native stacks) were derived from all layers.
         draft.__dict__ = {k: v for k, v in self.__dict__.items()
-                          if not k.startswith("_fused") and k != "_layer_stack"}
+                          if not isinstance(getattr(type(self), k, None),
+                                            functools.cached_property)}
         draft._modules = dict(self._modules)
         draft._modules["model"] = backbone
         draft.kv_layout = (n, *self.kv_layout[1:])
