@@ -30,7 +30,7 @@ def test_doctor_reports_the_machine_and_passes_here():
     spec = next(c for c in checks if c["name"] == "speculative decoding")
     assert all(m in spec["detail"] for m in ("ngram", "suffix", "draft_model", "self"))
     assert any("avx2" in json.dumps(c).lower() for c in checks)
-    assert not [c for c in checks if c["status"] not in ("ok", "info", "skip", "note")]
+    assert not [c for c in checks if c["status"] not in ("ok", "info")]
 
 
 def test_a_taken_port_fails_with_what_to_do():

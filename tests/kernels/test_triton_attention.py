@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton  # noqa: F401  (a test extra: without it these tests fail, never skip)
+import triton  # noqa: F401  (a test extra: without it these tests fail at import)
 from test_oracle_models import assert_matches_hf, generate_checked, greedy_params, make_llm
 from tiny_models import ARCHS, oracle_prompts
 
