@@ -102,6 +102,7 @@ def port_taken(host: str, port: int) -> str | None:
     (SO_REUSEADDR), so only a listener counts as taken, not a socket in TIME_WAIT."""
     if not port:
         return None
+    host = host.strip("[]")  # "[::]" as in a URL
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -117,11 +118,6 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
           ) -> int:
     """Run the server until a signal drains it; 1 if the model failed to load. ``attach``
     (the CLI's terminal dashboard) is entered around the run with the server and its app."""
-    taken = port_taken(config.host, config.port)
-    if taken is not None:  # before any model load: a user should not wait to learn this
-        log.error("met: cannot listen on %s:%s (%s); pick another --port or stop what "
-                  "holds it", config.host, config.port, taken)
-        return 1
     engine = AsyncEngine(lambda: _server_core(engine_config))
     failed = threading.Event()
     server: _DrainingServer | None = None
@@ -141,6 +137,11 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
         log.warning("met: binding %s exposes the server on every network interface%s; use "
                     "--host 127.0.0.1 to serve this machine only", config.host,
                     "" if config.api_keys else " WITHOUT an API key (--api-key)")
+    taken = port_taken(config.host, config.port)
+    if taken is not None:  # before the model loads: a user should not wait to learn this
+        log.error("met: cannot listen on %s:%s (%s); pick another --port or stop what "
+                  "holds it", config.host, config.port, taken)
+        return 1
     port = str(config.port) if config.port else "<a free port>"
     log.info("met: serving %r on http://%s:%s — loading %s (dtype %s) in the background; "
              "/health answers 503 until it is ready", config.model_name, config.host, port,
