@@ -187,8 +187,22 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Speculative decoding (SpeculativeConfig, or its JSON); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (met/lora): name -> PEFT adapter directory, served beside the base model;
+    # max_loras of them resident at once (slots), each of rank <= max_lora_rank. Giving
+    # lora_modules turns enable_lora on.
+    enable_lora: bool = False
+    lora_modules: Mapping[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        if self.lora_modules:
+            object.__setattr__(self, "lora_modules", dict(self.lora_modules))
+            object.__setattr__(self, "enable_lora", True)
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -17,7 +17,7 @@ MET = Path(__file__).resolve().parents[1] / "met"  # read, never imported
 # Top to bottom. "met" is the package's own __init__ (the public facade: LLM, SamplingParams,
 # __version__); every other name is a subpackage or a top-level module of met/.
 ORDER = ("__main__", "cli", "bench", "api", "met", "serving", "engine", "scheduler", "spec",
-         "cache", "runner", "loader", "models", "layers", "sampling", "outputs", "config",
+         "cache", "runner", "loader", "lora", "models", "layers", "sampling", "outputs", "config",
          "kernels")
 
 # Which other packages each may import (imports within a package are always allowed).
@@ -29,7 +29,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "api": frozenset({"met", "serving", "engine", "sampling", "outputs", "config"}),
     "met": frozenset({"engine", "sampling", "outputs"}),
     "serving": frozenset({"engine", "sampling", "outputs", "config"}),
-    "engine": frozenset({"scheduler", "spec", "cache", "runner", "loader", "models", "sampling",
+    "engine": frozenset({"scheduler", "spec", "cache", "runner", "loader", "lora", "models",
+                         "sampling",
                          "kernels", "outputs", "config"}),
     # The scheduler fills the runner's plain step data (met.runner.batch_plan).
     "scheduler": frozenset({"cache", "runner", "sampling", "config"}),
@@ -38,6 +39,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cache": frozenset({"config"}),
     "runner": frozenset({"models", "layers", "sampling", "kernels", "config"}),
     "loader": frozenset({"models", "layers", "kernels", "config"}),  # builds the models
+    # Adapters: read PEFT files, hold the slots in the model's projections.
+    "lora": frozenset({"layers", "kernels", "config"}),
     "models": frozenset({"layers", "kernels", "config"}),
     "layers": frozenset({"kernels", "config"}),
     "sampling": frozenset({"kernels", "config"}),  # the native sampler ops

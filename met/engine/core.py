@@ -13,6 +13,7 @@ from met.config import EngineConfig
 from met.engine.drafter import ModelDrafter
 from met.kernels import kv_cache, native
 from met.loader.model_loader import LoadedModel, load_model
+from met.lora.slots import LoRAManager
 from met.runner.batch_plan import BatchPolicy
 from met.runner.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from met.sampling.grammar import GrammarCompiler
@@ -99,9 +100,11 @@ class EngineCore:
             "torch.")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  separate_generated=self.batch_policy.hash_generated_apart)
+        self.lora = self._lora_manager()
+        self.runner.lora = self.lora
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-            split_at_prompt_end=self.batch_policy.split_chunks_at_prompt_end)
+            split_at_prompt_end=self.batch_policy.split_chunks_at_prompt_end, lora=self.lora)
         self.sampler = Sampler(config.seed)
         self.spec = self._spec_decoder(num_blocks)
         self.requests: dict[str, Request] = {}
@@ -183,6 +186,22 @@ class EngineCore:
                         num_blocks, min_blocks)
         return num_blocks
 
+    def _lora_manager(self) -> LoRAManager | None:
+        """The adapter slots in the model's projections, with --lora-modules registered
+        (a bad adapter is an AdapterError naming it); None without --enable-lora."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank)
+        self.loaded.model.__dict__.pop("_layer_stack", None)  # built before the slots existed
+        for name, path in (config.lora_modules or {}).items():
+            adapter = manager.register(name, path)
+            log.info("lora %s: rank %d, %d projections, %.1f MiB (%s)", name, adapter.rank,
+                     len(adapter.weights), adapter.nbytes / 2**20, path)
+        log.info("lora: %d slots of rank %d, %.1f MiB resident", config.max_loras,
+                 config.max_lora_rank, manager.resident_bytes() / 2**20)
+        return manager
+
     @property
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler for this model's tokenizer (built on first use)."""
@@ -200,8 +219,18 @@ class EngineCore:
         return self.kv.pool.num_blocks * self.config.block_size
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; raises ValueError for input that can never be served."""
+                    cache_salt: str | None = None, lora: str | None = None) -> None:
+        """Queue a request (under the LoRA adapter named ``lora``, if given); raises
+        ValueError for input that can never be served."""
+        adapter = None
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"lora: adapter {lora!r} asked for, but LoRA is not enabled "
+                                 "(--enable-lora)")
+            adapter = self.lora.adapters.get(lora)
+            if adapter is None:
+                known = ", ".join(sorted(self.lora.adapters)) or "none"
+                raise ValueError(f"lora: unknown adapter {lora!r} (loaded: {known})")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -228,6 +257,8 @@ class EngineCore:
             )
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
+        if adapter is not None:
+            req.lora_name, req.lora_id = adapter.name, adapter.lora_id
         if params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)
         if params.thinking_budget is not None:

@@ -44,6 +44,10 @@ class LLM:
         linear_backend: str = "auto",
         attention_backend: str = "auto",
         speculative_config: SpeculativeConfig | Mapping | str | None = None,
+        enable_lora: bool = False,
+        lora_modules: Mapping[str, str] | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -52,22 +56,44 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, cache_dir=cache_dir, seed=seed,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             linear_backend=linear_backend, attention_backend=attention_backend,
-            speculative_config=speculative_config,
+            speculative_config=speculative_config, enable_lora=enable_lora,
+            lora_modules=lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
         )
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in directory ``path`` as ``name`` (needs enable_lora)."""
+        if self.engine.lora is None:
+            raise ValueError("lora: construct LLM with enable_lora=True to load adapters")
+        self.engine.lora.register(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (refused while running requests use it)."""
+        if self.engine.lora is None:
+            raise ValueError("lora: LoRA is not enabled")
+        self.engine.lora.unregister(name)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        """Run every prompt to completion; one RequestOutput per prompt, in order.
+        ``lora``: the adapter (a name in lora_modules) for every prompt, or one per prompt
+        (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = _broadcast_params(sampling_params, len(prompts))
+        loras = ([lora] * len(prompts) if lora is None or isinstance(lora, str)
+                 else list(lora))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora: {len(loras)} adapters for {len(prompts)} prompts")
         if any(p.num_beams > 1 for p in params_list):
+            if any(name is not None for name in loras):
+                raise ValueError("lora: beam search under an adapter is not supported")
             return self._generate_with_beams(prompts, params_list)
         entries = []
         for prompt, params in zip(prompts, params_list, strict=True):
@@ -75,8 +101,8 @@ class LLM:
             rid = str(next(self._ids))
             entries.append((rid, text, token_ids, params))
         try:
-            for rid, _, token_ids, params in entries:
-                self.engine.add_request(rid, token_ids, params)
+            for (rid, _, token_ids, params), name in zip(entries, loras, strict=True):
+                self.engine.add_request(rid, token_ids, params, lora=name)
             finished = self._run_to_completion()
         except BaseException:
             for rid, *_ in entries:

@@ -77,6 +77,8 @@ def build(layers: Sequence[FusedLayer], projections: Sequence[Sequence[Linear]],
     """The stack of a model's fused layers (`FusedLayer`: norms, rotary
     tables, head counts, window) and their projections (qkv, o, gate_up, down per layer), or
     None where it does not apply (see the module docstring) or a kernel did not build."""
+    if any(proj.lora is not None for per_layer in projections for proj in per_layer):
+        return None  # LoRA deltas are added by Linear.forward, which the stack skips
     calls = [proj.kernel_call() for per_layer in projections for proj in per_layer]
     attention_op = native_op_name()
     if (not layers or any(call is None for call in calls) or attention_op is None

@@ -267,10 +267,17 @@ class Linear(nn.Module):
         # Built by pack() under w4a8 where the CPU has AMX-BF16: ``f(x, prompt_rows)``, x's
         # first prompt_rows rows through bfloat16 weights (`Int4Dynamic.prompt_rows_kernel`).
         self.prompt_rows_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+        # Set by met.lora.slots.LoRAManager: the adapters' delta added to every output.
+        self.lora = None
 
     def forward(self, x: torch.Tensor, prompt_rows: int = 0) -> torch.Tensor:
-        """x Wᵀ (+ b). ``prompt_rows`` > 0 (`ForwardBatch.prompt_rows`, set only for models
-        whose every projection has `prompt_rows_fn`): x's first rows through that path."""
+        """x Wᵀ (+ b), plus this step's LoRA deltas where adapters are attached.
+        ``prompt_rows`` > 0 (`ForwardBatch.prompt_rows`, set only for models whose every
+        projection has `prompt_rows_fn`): x's first rows through that path."""
+        y = self._base(x, prompt_rows)
+        return y if self.lora is None else self.lora.add(x, y)
+
+    def _base(self, x: torch.Tensor, prompt_rows: int) -> torch.Tensor:
         if prompt_rows:
             return self.prompt_rows_fn(x, prompt_rows)
         rows = (self.bf16_rows if x.dtype == torch.bfloat16

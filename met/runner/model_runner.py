@@ -44,6 +44,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention_backend = attention_backend
+        # The engine's LoRA slots (met.lora.slots.LoRAManager), set after construction;
+        # None: no adapters.
+        self.lora = None
         layers, kv_heads, head_dim = model.kv_layout
         # Head-major, slot-flat: one index_select per request gathers its context per head.
         self.kv_caches = [
@@ -57,7 +60,15 @@ class ModelRunner:
         items, prompt_rows = self.policy.order(step.scheduled)
         batch, sample_rows, sample_ids, num_rows = self._build_batch(items, prompt_rows,
                                                                      block_tables)
-        hidden = self.model(batch, self.kv_caches)
+        lora = self.lora
+        if lora is not None:  # each row runs its request's adapter slot (-1: none)
+            lora.set_rows([item.request.lora_slot for item in items
+                           for _ in range(item.num_new_tokens)], self.device)
+        try:
+            hidden = self.model(batch, self.kv_caches)
+        finally:
+            if lora is not None:
+                lora.clear_rows()
         prompt_logits = self._prompt_logits(items, hidden)
         if not sample_rows:
             return StepLogits([], torch.empty(0), prompt_logits)

@@ -32,6 +32,11 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     cache_salt: str | None = None
+    # A LoRA adapter (met.lora): its name, its load's unique id (the prefix-cache key) and,
+    # while the request runs, the resident slot it pins (-1: none).
+    lora_name: str | None = None
+    lora_id: int = 0
+    lora_slot: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -81,8 +86,9 @@ class Request:
 
     @property
     def cache_extra_keys(self) -> tuple:
-        """What besides the tokens makes this request's KV different (a salt, later adapters)."""
-        return (self.cache_salt,) if self.cache_salt else ()
+        """What besides the tokens makes this request's KV different: a salt, an adapter."""
+        keys: tuple = (self.cache_salt,) if self.cache_salt else ()
+        return keys + (("lora", self.lora_id),) if self.lora_id else keys
 
     @property
     def is_finished(self) -> bool:

@@ -23,8 +23,11 @@ class Scheduler:
     """Owns the waiting queue and running list; decides what each step computes."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 split_at_prompt_end: bool = False):
+                 split_at_prompt_end: bool = False, lora=None):
         self.kv = kv
+        # The engine's LoRA slots (met.lora.slots.LoRAManager: acquire(name) -> slot | None,
+        # release(slot)); None without adapters.
+        self.lora = lora
         self.split_at_prompt_end = split_at_prompt_end
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -70,10 +73,15 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit new work only when nobody had to be evicted this step.
-        while (not preempted and self.waiting and budget > 0
+        # Admit new work only when nobody had to be evicted this step. A request whose
+        # adapter finds every slot pinned by other adapters waits; those behind it may go.
+        j = 0
+        while (not preempted and j < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[j]
+            if not self._pin_adapter(req):
+                j += 1
+                continue
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys,
                                          req.num_prompt_tokens)
             if req.params.prompt_logprobs is not None:
@@ -81,8 +89,9 @@ class Scheduler:
             start = len(prefix) * self.kv.block_size
             n = self._chunk_len(req, start, budget)
             if n == 0 or not self.kv.allocate(req.request_id, start + n, prefix):
+                self._unpin_adapter(req)
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             req.num_computed_tokens = start
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = start
@@ -92,6 +101,21 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _pin_adapter(self, req: Request) -> bool:
+        """Pin the slot of ``req``'s adapter (none: True); False while none is free."""
+        if req.lora_name is None or req.lora_slot >= 0:
+            return True
+        slot = self.lora.acquire(req.lora_name)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _unpin_adapter(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
         """The drafts this decode verifies: what the budget and free blocks allow without
@@ -127,6 +151,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        self._unpin_adapter(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -143,3 +168,4 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.free(req.request_id)
+        self._unpin_adapter(req)
