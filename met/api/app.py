@@ -19,6 +19,7 @@ from met.api.anthropic import messages as anthropic_messages
 from met.api.auth import ApiKeyMiddleware
 from met.api.context import ServerConfig, ServerContext
 from met.api.errors import error_body, install_error_handlers
+from met.api.lora_routes import router as lora_router
 from met.api.openai import chat, completions, models, responses
 from met.api.routes import router as server_router
 from met.api.webui import WebChatMiddleware
@@ -100,7 +101,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine,
     app.state.ctx = ctx
     install_error_handlers(app)
     for router in (chat.router, completions.router, models.router, responses.router,
-                   anthropic_messages.router, server_router):
+                   anthropic_messages.router, lora_router, server_router):
         app.include_router(router)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
     app.add_middleware(WebChatMiddleware)  # outside the key check: the page at / loads keyless

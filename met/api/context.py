@@ -55,6 +55,7 @@ class ServerConfig:
     max_thinking_budget: int | None = None  # --max-thinking-budget (reasoning_effort's scale)
     responses_store_max: int = DEFAULT_STORE_MAX  # --responses-store-max (stored responses)
     responses_store_ttl: float = DEFAULT_STORE_TTL_S  # --responses-store-ttl (seconds)
+    allow_runtime_lora: bool = False  # --allow-runtime-lora: /v1/load_lora_adapter and unload
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_PARSER_CHOICES:
@@ -154,6 +155,27 @@ class ServerContext:
             raise ApiError(503, "the model is still loading; retry shortly", None,
                            "model_loading", {"Retry-After": "5"})
         return self.model
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters the engine serves now (none until it is built)."""
+        core = self.engine.core
+        lora = getattr(core, "lora", None) if core is not None else None
+        return sorted(lora.adapters) if lora is not None else []
+
+    def check_model(self, req) -> None:
+        """``req.model`` names the served model or a LoRA adapter (then it becomes the
+        request's ``adapter``, as vLLM's clients expect); an unknown adapter is a 404."""
+        adapters = self.adapter_names()
+        adapter = getattr(req, "adapter", None)
+        if adapter is not None and adapter not in adapters:
+            raise InvalidRequest(f"adapter: unknown LoRA adapter {adapter!r} (loaded: "
+                                 f"{', '.join(adapters) or 'none'})", "adapter",
+                                 "model_not_found", 404)
+        if req.model in adapters:
+            if adapter is None and "adapter" in type(req).model_fields:
+                req.adapter = req.model
+            return
+        self.check_model_name(req.model)
 
     def check_model_name(self, name: str | None) -> None:
         if name is not None and name not in self.config.served_model_names:

@@ -50,7 +50,7 @@ async def tokenize(request: Request) -> dict:
     ctx = server_context(request)
     model = ctx.require_model()
     req = parse_body(TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
-    ctx.check_model_name(req.model)
+    ctx.check_model(req)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("prompt: send exactly one of 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
@@ -70,7 +70,7 @@ async def detokenize(request: Request) -> dict:
     ctx = server_context(request)
     model = ctx.require_model()
     req = parse_body(DetokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
-    ctx.check_model_name(req.model)
+    ctx.check_model(req)
     if model.tokenizer is None:
         raise InvalidRequest("tokens: this model has no tokenizer", "tokens")
     if req.tokens:

@@ -56,6 +56,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         'recent finished requests: suffix_cache_requests); "gate": false '
                         'speculates even where it measured slower. Output is the same as '
                         'without it')
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters over the base model (--lora-modules, or loaded "
+                        "while serving with --allow-runtime-lora)")
+    p.add_argument("--lora-modules", nargs="+", type=_parse_lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="PEFT adapter directories to serve, each under its name (a request's "
+                        "`model` or `adapter` field picks it); implies --enable-lora")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="adapters resident at once (slots); more wait in the queue")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest adapter rank accepted (slots are sized for it)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--cache-dir", default=None,
@@ -72,6 +83,13 @@ def parse_bytes(text: str) -> int:
         return int(low)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)") from None
+
+
+def _parse_lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"lora_modules: expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _parse_speculative(text: str) -> SpeculativeConfig | None:
@@ -142,6 +160,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype, linear_backend=args.linear_backend,
         attention_backend=args.attention_backend,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora,
+        lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     )
 
 

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         max_thinking_budget=args.max_thinking_budget,
         responses_store_max=args.responses_store_max,
         responses_store_ttl=args.responses_store_ttl,
+        allow_runtime_lora=args.allow_runtime_lora,
     )
     return serve(engine_config, config, attach=_face(args))
 
@@ -99,6 +100,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-max", type=int, default=1000,
                    help="most /v1/responses results kept for GET and previous_response_id "
                         "(oldest dropped first; 0 = store none)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(behind --api-key; needs --enable-lora)")
     p.add_argument("--responses-store-ttl", type=float, default=3600.0,
                    help="seconds a stored /v1/responses result is kept")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

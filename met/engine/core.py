@@ -223,6 +223,7 @@ class EngineCore:
         """Queue a request (under the LoRA adapter named ``lora``, if given); raises
         ValueError for input that can never be served."""
         adapter = None
+        lora = lora if lora is not None else params.lora
         if lora is not None:
             if self.lora is None:
                 raise ValueError(f"lora: adapter {lora!r} asked for, but LoRA is not enabled "

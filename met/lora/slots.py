@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -113,6 +114,8 @@ class LoRAManager:
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident, LRU first
         self.refs = [0] * max_loras
         self.loads = 0  # slot writes since start (swaps): /metrics
+        # register / unregister come from the API's threads while the engine acquires.
+        self._lock = threading.Lock()
 
     # Registration ---------------------------------------------------------------------
     def register(self, name: str, path: str) -> LoRAAdapter:
@@ -122,12 +125,19 @@ class LoRAManager:
         if name in self.adapters:
             raise AdapterError(f"lora {name}: an adapter of that name is already loaded")
         adapter = load_peft(name, path, self.shapes, self.max_rank)
-        adapter.lora_id = next(self._ids)
-        self.adapters[name] = adapter
+        with self._lock:
+            if name in self.adapters:
+                raise AdapterError(f"lora {name}: an adapter of that name is already loaded")
+            adapter.lora_id = next(self._ids)
+            self.adapters[name] = adapter
         return adapter
 
     def unregister(self, name: str) -> None:
         """Forget ``name``; refused (`AdapterError`) while running requests use it."""
+        with self._lock:
+            self._unregister(name)
+
+    def _unregister(self, name: str) -> None:
         if name not in self.adapters:
             raise AdapterError(f"lora {name}: no adapter of that name is loaded")
         slot = self.slot_of.get(name)
@@ -144,6 +154,10 @@ class LoRAManager:
     def acquire(self, name: str) -> int | None:
         """Pin ``name``'s slot (writing it into a free or unpinned slot first); None when
         every slot is pinned by other adapters' running requests."""
+        with self._lock:
+            return self._acquire(name)
+
+    def _acquire(self, name: str) -> int | None:
         slot = self.slot_of.get(name)
         if slot is None:
             used = set(self.slot_of.values())

@@ -187,6 +187,8 @@ class SamplingParams:
     thinking_budget: ThinkingBudget | None = None
     # False: this request never speculates (where the engine runs with a speculative config).
     speculative: bool = True
+    # The LoRA adapter this request runs under (a name the engine has loaded); None: the base.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

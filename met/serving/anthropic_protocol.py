@@ -115,6 +115,7 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
     stream: bool = False
     speculative: bool = True  # false: this request never speculates (met's own field)
+    adapter: str | None = None  # a LoRA adapter by name (or `model` naming one)
 
 
 FIELD_NAMES = model_field_names(ContentBlock, InputMessage, Tool, ToolChoice, ThinkingConfig,
@@ -152,7 +153,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                      stream=req.stream, speculative=req.speculative)
+                      stream=req.stream, speculative=req.speculative,
+                      adapter=req.adapter)
         fmt = req.output_config.format if req.output_config else None
         if fmt is not None:
             fields["response_format"] = ResponseFormat(

@@ -136,6 +136,8 @@ class SamplingFields(_Body):
     early_stopping: bool | Literal["never"] = False
     user: str | None = None  # accepted, unused
     speculative: bool = True  # false: this request never speculates (met's own field)
+    # A LoRA adapter by name (the reference's field; `model` naming an adapter does the same)
+    adapter: str | None = None
 
     @property
     def include_usage(self) -> bool:

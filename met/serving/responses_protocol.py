@@ -96,6 +96,7 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted, unused
     speculative: bool = True  # false: this request never speculates (met's own field)
+    adapter: str | None = None  # a LoRA adapter by name (or `model` naming one)
 
 
 FIELD_NAMES = model_field_names(InputContent, InputItem, FunctionTool, TextFormat, TextConfig,
@@ -208,6 +209,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
         "parallel_tool_calls": req.parallel_tool_calls, "speculative": req.speculative,
+        "adapter": req.adapter,
     }
     if req.tools:
         fields["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]

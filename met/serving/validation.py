@@ -297,6 +297,7 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
             length_penalty=req.length_penalty,
             early_stopping=req.early_stopping,
             speculative=req.speculative,
+            lora=getattr(req, "adapter", None),
         )
     except ValueError as e:
         raise from_value_error(e) from None

@@ -19,14 +19,15 @@ T = TypeVar("T")
 
 
 def run_with_app(ckpt: str, chat_template: str | None,
-                 work: Callable[[httpx.AsyncClient], Awaitable[T]], **engine_fields) -> T:
+                 work: Callable[[httpx.AsyncClient], Awaitable[T]],
+                 server_fields: dict | None = None, **engine_fields) -> T:
     """Start the app on the tiny checkpoint ``ckpt`` (EngineConfig ``engine_fields`` on top
     of the defaults), wait until it serves, run ``work`` with a client for it, then shut it
     down; what ``work`` returned."""
     fields = {"dtype": "float32", "max_model_len": 256} | engine_fields
     engine = AsyncEngine(lambda: EngineCore(EngineConfig(model=ckpt, **fields)))
-    app = build_app(ServerConfig(served_model_names=("tiny",), chat_template=chat_template),
-                    engine)
+    app = build_app(ServerConfig(served_model_names=("tiny",), chat_template=chat_template,
+                                 **(server_fields or {})), engine)
 
     async def main() -> T:
         async with app.router.lifespan_context(app):

@@ -85,7 +85,7 @@ async def count_tokens(request: Request) -> JSONResponse:
     model = ctx.require_model()
     req = parse_body(CountTokensRequest, await read_json(request, ctx.config.max_body_bytes),
                      FIELD_NAMES)
-    ctx.check_model_name(req.model)
+    ctx.check_model(req)
     try:
         chat_req = to_chat_request(req)
         check_request_limits(chat_req, None, model.limits.requests)

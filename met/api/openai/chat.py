@@ -118,7 +118,7 @@ async def start_chat(ctx: ServerContext, request: Request,
     """Validate ``req``, render it, build its sampling params (grammar, thinking budget,
     tool grammar) and admit it: the Generation to run (``async with``) and its outputs."""
     model = ctx.require_model()
-    ctx.check_model_name(req.model)
+    ctx.check_model(req)
     use_mct = req.max_completion_tokens is not None
     max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
     max_tokens_param = "max_completion_tokens" if use_mct else "max_tokens"

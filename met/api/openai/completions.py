@@ -34,7 +34,7 @@ async def completions(request: Request) -> Response:
     ctx = server_context(request)
     model = ctx.require_model()
     req = parse_body(CompletionRequest, await read_json(request, ctx.config.max_body_bytes))
-    ctx.check_model_name(req.model)
+    ctx.check_model(req)
     check_ranges(req, req.max_tokens)
     prompts = completion_prompts(model.tokenizer, req.prompt)
     single = len(prompts) == 1

@@ -23,15 +23,35 @@ def _card(ctx: ServerContext, name: str) -> dict:
     }
 
 
+def _adapter_card(ctx: ServerContext, name: str) -> dict:
+    lora = ctx.engine.core.lora
+    adapter = lora.adapters[name]
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "met",
+            "root": adapter.path, "parent": ctx.config.model_name, "lora_rank": adapter.rank,
+            "resident": name in lora.slot_of}
+
+
+def _cards(ctx: ServerContext) -> list[dict]:
+    cards = [_card(ctx, n) for n in ctx.config.served_model_names]
+    for name in ctx.adapter_names():
+        try:
+            cards.append(_adapter_card(ctx, name))
+        except KeyError:  # unloaded meanwhile
+            pass
+    return cards
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     ctx = server_context(request)
-    return {"object": "list", "data": [_card(ctx, n) for n in ctx.config.served_model_names]}
+    return {"object": "list", "data": _cards(ctx)}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
     ctx = server_context(request)
+    if model_id in ctx.adapter_names():
+        return _adapter_card(ctx, model_id)
     if model_id not in ctx.config.served_model_names:
         raise InvalidRequest(f"model: the model {model_id!r} does not exist", "model",
                              "model_not_found", 404)
