@@ -23,7 +23,9 @@ from met.layers.linear import Linear
 from met.lora.adapter import AdapterError, LoRAAdapter, load_peft
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# The Linear modules slots attach to: the fused projections and the unfused ones.
+_PROJECTIONS = frozenset({"qkv_proj", "gate_up_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                          "gate_proj", "up_proj", "down_proj"})
 
 
 @dataclass
@@ -82,10 +84,6 @@ class LoRAManager:
     the ``max_loras`` slots resident in the model's projections."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int):
-        if max_loras < 1:
-            raise ValueError(f"max_loras: must be >= 1, got {max_loras}")
-        if max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank: must be >= 1, got {max_lora_rank}")
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.step = StepMapping()
         self.projections: list[tuple[int, LoRAProjection]] = []
@@ -96,8 +94,7 @@ class LoRAManager:
             if m is None or not isinstance(module, Linear):
                 continue
             layer, target = int(m.group(1)), m.group(3)
-            if target not in _FUSED and target not in _FUSED["qkv_proj"] + _FUSED[
-                    "gate_up_proj"] + ("o_proj", "down_proj"):
+            if target not in _PROJECTIONS:
                 continue
             attn = modules.get(name.rsplit(".", 1)[0]) if target == "qkv_proj" else None
             parts = _parts(target, module, attn)

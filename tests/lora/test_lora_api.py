@@ -6,14 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 from tiny_models import greedy_trace, load_hf_model_with, load_tokenizer, oracle_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
 from in_process import run_with_app  # noqa: E402
 from test_lora_exact import MAX_NEW, make_adapter, peft_model  # noqa: E402
-
-pytest.importorskip("peft")
 
 
 def _body(model: str, prompt: list[int], **extra) -> dict:

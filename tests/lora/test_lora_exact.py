@@ -3,14 +3,13 @@ adapter: greedy tokens exact, alone and mixed in one batch with other adapters a
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 from tiny_models import ARCHS, greedy_trace, load_hf_model_with, oracle_prompts
 
 from met import LLM, SamplingParams
 from met.lora.adapter import AdapterError
-
-peft = pytest.importorskip("peft")
 
 MAX_NEW = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
