@@ -182,18 +182,32 @@ def test_embedded_model_keeps_the_history_through_a_pty():
         os.write(fd, b"What is the capital of France?\n")
         screen.wait_for("tok/s", 120)
         assert "Paris" in screen.text
+        screen.wait_for(">>> ", 60, start=screen.text.index("tok/s"))
         os.write(fd, b'"""\nAnd of Italy?\nOne word.\n"""\n')
-        screen.wait_for("tok/s", 120, start=screen.text.index("tok/s") + 5)
+        second = screen.text.index("tok/s") + 5
+        screen.wait_for("tok/s", 120, start=second)
         assert "Rome" in screen.text
-        os.write(fd, b"\x04")  # Ctrl-D
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        # Ctrl-D only once readline holds the terminal again: typed ahead while the tty is
+        # still canonical it reaches readline as a NUL, not as end of input.
+        screen.wait_for(">>> ", 60, start=screen.text.index("tok/s", second))
+        os.write(fd, b"\x04")
+        assert _exit_code(pid, 60) == 0
     finally:
         try:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def _exit_code(pid: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    raise AssertionError(f"met chat did not exit within {timeout:.0f} s of Ctrl-D")
 
 
 class _PtyReader:
