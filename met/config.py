@@ -194,6 +194,11 @@ class EngineConfig:
     lora_modules: Mapping[str, str] | None = None
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Adapters kept in memory (LRU; the others read from their path again when asked for);
+    # None: all of them. The LoRA delta's kernel (registry.LORA_BACKENDS); "auto": the first
+    # that runs.
+    max_cpu_loras: int | None = None
+    lora_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.lora_modules:
@@ -203,6 +208,9 @@ class EngineConfig:
             raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got "
+                             f"{self.max_cpu_loras}")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -233,7 +241,8 @@ class EngineConfig:
         for flag, value, names in (
                 ("linear_backend", self.linear_backend, registry.linear_method_names()),
                 ("attention_backend", self.attention_backend,
-                 registry.attention_backend_names())):
+                 registry.attention_backend_names()),
+                ("lora_backend", self.lora_backend, registry.lora_backend_names())):
             if value != "auto" and value not in names:
                 raise ValueError(f"{flag}: must be auto or one of {', '.join(names)}, "
                                  f"got {value!r}")

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from met.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, SpeculativeConfig
-from met.kernels.registry import attention_backend_names, linear_method_names
+from met.kernels.registry import attention_backend_names, linear_method_names, lora_backend_names
 from met.loader.resolve import hf_cache_dirs
 
 
@@ -67,6 +67,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adapters resident at once (slots); more wait in the queue")
     p.add_argument("--max-lora-rank", type=int, default=16,
                    help="the largest adapter rank accepted (slots are sized for it)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in memory (least recently used dropped, read from "
+                        "disk again when asked for); default: all; at least --max-loras")
+    p.add_argument("--lora-backend", default="auto", choices=["auto", *lora_backend_names()],
+                   help="the LoRA delta's kernel: cpu-native (each row alone, "
+                        "batch-invariant) or torch (the reference); auto: the first that runs")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--cache-dir", default=None,
@@ -163,6 +169,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         enable_lora=args.enable_lora,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, lora_backend=args.lora_backend,
     )
 
 

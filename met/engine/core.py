@@ -11,7 +11,7 @@ import torch
 from met.cache.kv_manager import KVCacheManager, KVStats
 from met.config import EngineConfig
 from met.engine.drafter import ModelDrafter
-from met.kernels import kv_cache, native
+from met.kernels import kv_cache, native, registry
 from met.loader.model_loader import LoadedModel, load_model
 from met.lora.slots import LoRAManager
 from met.runner.batch_plan import BatchPolicy
@@ -192,14 +192,17 @@ class EngineCore:
         config = self.config
         if not config.enable_lora:
             return None
-        manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank)
+        backend = registry.lora_backend(self.device.type, config.lora_backend)
+        manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank,
+                              backend.name, config.max_cpu_loras)
         self.loaded.model.__dict__.pop("_layer_stack", None)  # built before the slots existed
         for name, path in (config.lora_modules or {}).items():
             adapter = manager.register(name, path)
             log.info("lora %s: rank %d, %d projections, %.1f MiB (%s)", name, adapter.rank,
                      len(adapter.weights), adapter.nbytes / 2**20, path)
-        log.info("lora: %d slots of rank %d, %.1f MiB resident", config.max_loras,
-                 config.max_lora_rank, manager.resident_bytes() / 2**20)
+        log.info("lora: %d slots of rank %d, %.1f MiB resident, kernel %s (%s)",
+                 config.max_loras, config.max_lora_rank, manager.resident_bytes() / 2**20,
+                 backend.name, backend.note)
         return manager
 
     @property
@@ -259,7 +262,8 @@ class EngineCore:
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
         if adapter is not None:
-            req.lora_name, req.lora_id = adapter.name, adapter.lora_id
+            self.lora.hold(adapter.name)  # read back into memory if evicted; the scheduler
+            req.lora_name, req.lora_id = adapter.name, adapter.lora_id  # unholds at finish
         if params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)
         if params.thinking_budget is not None:

@@ -48,6 +48,8 @@ class LLM:
         lora_modules: Mapping[str, str] | None = None,
         max_loras: int = 4,
         max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_backend: str = "auto",
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -58,6 +60,7 @@ class LLM:
             linear_backend=linear_backend, attention_backend=attention_backend,
             speculative_config=speculative_config, enable_lora=enable_lora,
             lora_modules=lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras, lora_backend=lora_backend,
         )
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer

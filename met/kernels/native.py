@@ -73,6 +73,8 @@ EXTENSIONS: dict[str, Extension] = {e.key: e for e in (
               "a decode step's layers in one native call"),
     Extension("gguf_blocks", ("gguf_blocks.cpp",), lambda c: c.avx2,
               "GGUF blocks (Q4_0..Q8_0, Q4_K, Q5_K, Q6_K) x float32 rows, AVX2 / AVX-512"),
+    Extension("lora", ("lora.cpp",), lambda c: c.avx2,
+              "LoRA adapter deltas, each row with its own adapter slot"),
 )}
 
 

@@ -154,6 +154,29 @@ ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = (
 )
 
 
+LORA_BACKENDS: tuple[AttentionBackend, ...] = (
+    AttentionBackend("cpu-native", "lora",
+                     lambda d, c, f: (None if d == "cpu" else f"CPU only (device is {d})")
+                     or _needs(c, c.avx2, "AVX2/FMA"),
+                     "each row with its own adapter slot in C++, batch-invariant"),
+    AttentionBackend("torch", None, lambda d, c, f: None,
+                     "one shrink and one expand matmul per adapter in the step (reference)"),
+)
+
+
+def lora_backend_names() -> list[str]:
+    return [b.name for b in LORA_BACKENDS]
+
+
+def lora_backend(device: str, forced: str = "auto",
+                 cap: Capability | None = None) -> AttentionBackend:
+    """The LoRA delta's backend (`LORA_BACKENDS`; entries share the attention backends'
+    shape: a name, a native extension and why it cannot run)."""
+    entry, _ = _choose(LORA_BACKENDS, (device, cap or probe()), forced, "--lora-backend",
+                       f"LoRA on {device}")
+    return entry
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """The entries chosen for this engine, plus what each rejected entry lacked."""

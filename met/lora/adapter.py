@@ -33,13 +33,15 @@ class LoRAAdapter:
     name: str
     path: str
     rank: int
-    # (layer index, target) -> (A [r, in], scaling · B [out, r])
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
-    lora_id: int = 0  # unique per load: part of the prefix-cache key
+    # (layer index, target) -> (A [r, in], scaling · B [out, r]); None while evicted from
+    # memory by --max-cpu-loras (read from ``path`` again when a request needs it)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = field(repr=False)
+    lora_id: int = 0  # unique per registration: part of the prefix-cache key
+    nbytes: int = 0  # the matrices' bytes when in memory
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+    def __post_init__(self) -> None:
+        if self.weights is not None:
+            self.nbytes = sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 def load_peft(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, int]],

@@ -3,24 +3,27 @@ LoRA matrices; a request pins its adapter's slot while it runs (refcounted), and
 least-recently-used unpinned slot takes the next adapter asked for.
 
 Fused projections (q/k/v as ``qkv_proj``, gate/up as ``gate_up_proj``) hold their parts'
-A matrices stacked (``[slot, parts · R, in]``) and B block-diagonal (``[slot, out, parts · R]``),
-so one shrink and one expand run the whole fused projection.
+A matrices stacked (``[slot, parts · R, in]``) and B transposed, block-diagonal
+(``[slot, parts · R, out]``), so one shrink and one expand run the whole fused projection.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from met.kernels.lora import add_lora
+from met.kernels.lora import add_lora, add_lora_native
 from met.layers.linear import Linear
 from met.lora.adapter import AdapterError, LoRAAdapter, load_peft
+
+log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 # The Linear modules slots attach to: the fused projections and the unfused ones.
@@ -30,9 +33,12 @@ _PROJECTIONS = frozenset({"qkv_proj", "gate_up_proj", "q_proj", "k_proj", "v_pro
 
 @dataclass
 class StepMapping:
-    """Which rows of this step run which slot: (slot, row indices or None for all rows)."""
+    """Which rows of this step run which slot: for the torch backend (slot, row indices or
+    None for all rows), for the native one each row's slot (int32, -1: none)."""
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    row_slots: torch.Tensor | None = None
+    native: bool = False
 
 
 class LoRAProjection:
@@ -44,11 +50,11 @@ class LoRAProjection:
         self.rank = rank
         self.step = step
         self.a = torch.zeros(slots, len(parts) * rank, fan_in)
-        self.b = torch.zeros(slots, fan_out, len(parts) * rank)
+        self.bt = torch.zeros(slots, len(parts) * rank, fan_out)
 
     def write(self, slot: int, layer: int, adapter: LoRAAdapter | None) -> None:
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
         if adapter is None:
             return
         r = self.rank
@@ -58,13 +64,17 @@ class LoRAProjection:
                 continue
             a, b = ab
             self.a[slot, p * r:p * r + a.shape[0]] = a
-            self.b[slot, first:first + rows, p * r:p * r + a.shape[0]] = b
+            self.bt[slot, p * r:p * r + a.shape[0], first:first + rows] = b.T
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        groups = self.step.groups
-        if not groups:
+        step = self.step
+        if not step.groups:
             return y
-        return add_lora(y, x.reshape(-1, x.shape[-1]), self.a, self.b, groups)
+        x2 = x.reshape(-1, x.shape[-1])
+        if step.native:
+            return add_lora_native(y.reshape(-1, y.shape[-1]).contiguous(), x2, self.a,
+                                   self.bt, step.row_slots).view(y.shape)
+        return add_lora(y, x2, self.a, self.bt, step.groups)
 
 
 def _parts(name: str, module: nn.Module, attn: nn.Module | None) -> list[tuple[str, int, int]]:
@@ -80,12 +90,21 @@ def _parts(name: str, module: nn.Module, attn: nn.Module | None) -> list[tuple[s
 
 
 class LoRAManager:
-    """The adapters a server knows (name -> path, loaded and checked at registration) and
-    the ``max_loras`` slots resident in the model's projections."""
+    """The adapters a server knows (name -> path, read and checked at registration), the
+    ``max_cpu_loras`` most recently used of them kept in memory, and the ``max_loras``
+    slots resident in the model's projections.
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int):
+    A request holds its adapter in memory from `hold` (when it is queued) to `unhold` (when
+    it ends), and pins a slot while it runs; an adapter evicted from memory is read from its
+    path again by the next `hold`. Held adapters are never evicted, so memory can exceed
+    ``max_cpu_loras`` while queued requests name more adapters than that."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
+                 backend: str = "torch", max_cpu_loras: int | None = None):
         self.max_loras, self.max_rank = max_loras, max_lora_rank
-        self.step = StepMapping()
+        self.max_cpu = max_cpu_loras  # None: every registered adapter stays in memory
+        self.backend = backend  # a `registry.LORA_BACKENDS` name
+        self.step = StepMapping(native=backend == "cpu-native")
         self.projections: list[tuple[int, LoRAProjection]] = []
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
         modules = dict(model.named_modules())
@@ -110,7 +129,10 @@ class LoRAManager:
         self._ids = itertools.count(1)
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident, LRU first
         self.refs = [0] * max_loras
+        self.in_memory: OrderedDict[str, None] = OrderedDict()  # weights read, LRU first
+        self.holds: Counter[str] = Counter()  # queued + running requests per adapter
         self.loads = 0  # slot writes since start (swaps): /metrics
+        self.reads = 0  # adapters read from disk again after an eviction: /metrics
         # register / unregister come from the API's threads while the engine acquires.
         self._lock = threading.Lock()
 
@@ -121,31 +143,78 @@ class LoRAManager:
             raise AdapterError("lora: an adapter needs a name")
         if name in self.adapters:
             raise AdapterError(f"lora {name}: an adapter of that name is already loaded")
-        adapter = load_peft(name, path, self.shapes, self.max_rank)
+        adapter = self._read(name, path)
         with self._lock:
             if name in self.adapters:
                 raise AdapterError(f"lora {name}: an adapter of that name is already loaded")
             adapter.lora_id = next(self._ids)
             self.adapters[name] = adapter
+            self.in_memory[name] = None
+            self._trim(keep=name)
         return adapter
 
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        return load_peft(name, path, self.shapes, self.max_rank)
+
+    def hold(self, name: str) -> LoRAAdapter:
+        """A request queued under ``name``: its weights in memory (read again if evicted;
+        an `AdapterError` if that fails) until the matching `unhold`."""
+        with self._lock:
+            adapter = self._in_memory(name)
+            self.holds[name] += 1
+            self.in_memory[name] = None
+            self.in_memory.move_to_end(name)
+            self._trim(keep=name)
+            return adapter
+
+    def _in_memory(self, name: str) -> LoRAAdapter:
+        adapter = self.adapters[name]
+        if adapter.weights is None:
+            fresh = self._read(name, adapter.path)
+            adapter.weights, adapter.nbytes = fresh.weights, fresh.nbytes
+            self.reads += 1
+            log.info("lora %s: read again from %s (%.1f MiB)", name, adapter.path,
+                     adapter.nbytes / 2**20)
+        return adapter
+
+    def unhold(self, name: str) -> None:
+        with self._lock:
+            self.holds[name] -= 1
+            if self.holds[name] <= 0:
+                del self.holds[name]
+            self._trim()
+
+    def _trim(self, keep: str | None = None) -> None:
+        """Drop the least recently used unheld adapters' weights down to max_cpu_loras (a
+        resident slot keeps its own copy)."""
+        if self.max_cpu is None:
+            return
+        for victim in list(self.in_memory):
+            if len(self.in_memory) <= self.max_cpu:
+                break
+            if victim != keep and not self.holds[victim]:
+                del self.in_memory[victim]
+                self.adapters[victim].weights = None
+
     def unregister(self, name: str) -> None:
-        """Forget ``name``; refused (`AdapterError`) while running requests use it."""
+        """Forget ``name``; refused (`AdapterError`) while queued or running requests use
+        it."""
         with self._lock:
             self._unregister(name)
 
     def _unregister(self, name: str) -> None:
         if name not in self.adapters:
             raise AdapterError(f"lora {name}: no adapter of that name is loaded")
+        if self.holds[name]:
+            raise AdapterError(f"lora {name}: {self.holds[name]} queued or running "
+                               "request(s) use it; unload it once they finish")
         slot = self.slot_of.get(name)
-        if slot is not None and self.refs[slot]:
-            raise AdapterError(f"lora {name}: {self.refs[slot]} running request(s) use it; "
-                               "unload it once they finish")
         if slot is not None:
             del self.slot_of[name]
             for layer, proj in self.projections:
                 proj.write(slot, layer, None)
         del self.adapters[name]
+        self.in_memory.pop(name, None)
 
     # Slots --------------------------------------------------------------------------
     def acquire(self, name: str) -> int | None:
@@ -166,7 +235,7 @@ class LoRAManager:
                 if victim is None:
                     return None
                 slot = self.slot_of.pop(victim)
-            adapter = self.adapters[name]
+            adapter = self._in_memory(name)
             for layer, proj in self.projections:
                 proj.write(slot, layer, adapter)
             self.loads += 1
@@ -180,22 +249,28 @@ class LoRAManager:
 
     def set_rows(self, row_slots: list[int], device: torch.device) -> None:
         """This step's rows' slots (-1: the base model alone)."""
-        groups: list[tuple[int, torch.Tensor | None]] = []
         present = sorted(set(row_slots) - {-1})
-        for slot in present:
-            if len(present) == 1 and -1 not in row_slots:
-                groups.append((slot, None))
-            else:
-                rows = [i for i, s in enumerate(row_slots) if s == slot]
-                groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        if self.step.native:
+            # The kernel reads each row's slot; groups only says whether any row has one.
+            groups = [(slot, None) for slot in present]
+            self.step.row_slots = torch.tensor(row_slots, dtype=torch.int32) if present else None
+        else:
+            for slot in present:
+                if len(present) == 1 and -1 not in row_slots:
+                    groups.append((slot, None))
+                else:
+                    rows = [i for i, s in enumerate(row_slots) if s == slot]
+                    groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
         self.step.groups = groups
 
     def clear_rows(self) -> None:
         self.step.groups = []
+        self.step.row_slots = None
 
     def resident_bytes(self) -> int:
         """Bytes of every projection's slot matrices."""
-        return sum(p.a.nbytes + p.b.nbytes for _, p in self.projections)
+        return sum(p.a.nbytes + p.bt.nbytes for _, p in self.projections)
 
 
 __all__ = ["AdapterError", "LoRAManager"]

@@ -161,6 +161,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark finished and free its blocks at once (also used for aborts)."""
+        if req.status is not RequestStatus.FINISHED and req.lora_name is not None:
+            self.lora.unhold(req.lora_name)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:

@@ -1,0 +1,145 @@
+// The LoRA delta of a step's rows, each row with its own adapter slot (the BGMV shape):
+// y[m] += (x[m] A_s^T) B_s^T for s = slots[m], skipped where s < 0 (the base model alone).
+//
+// Batch invariance: every row is computed alone, its shrink and expand summed in float32 in
+// one fixed order, so a row's result is the same whichever rows, adapters or threads share
+// its step (seeded sampling with mixed adapters stays reproducible). Rows of one slot are
+// taken up to kTile at a time so that each loaded vector of A and B serves several rows; the
+// tile changes how often the matrices are read, never the order of any row's sums.
+
+#include "met_rows.h"
+
+#include <type_traits>
+
+namespace {
+
+constexpr int kTile = 4;  // rows sharing one pass over their slot's matrices
+
+template <typename T>
+MET_INLINE vfloat load_row(const T* p, int64_t n);
+
+template <>
+MET_INLINE vfloat load_row<float>(const float* p, int64_t n) {
+  return load_f32_n(p, n);
+}
+
+template <>
+MET_INLINE vfloat load_row<uint16_t>(const uint16_t* p, int64_t n) {
+  return load_bf16_n(p, n);
+}
+
+// rows[0..nr) all run slot `a`/`bt`: t[i][r] = x[rows[i]] . a[r], then
+// y[rows[i]] += sum_r t[i][r] bt[r] (float32 sums, r ascending, then one rounding into y).
+template <typename T, int NR>
+MET_INLINE void tile_rows(const T* x, T* y, const float* a, const float* bt, const int64_t* rows,
+                          int64_t K, int64_t R, int64_t N, float* t) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* ar = a + r * K;
+    vfloat acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = vfloat{};
+    for (int64_t k = 0; k < K; k += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, K - k);
+      const vfloat av = load_f32_n(ar + k, n);
+      for (int i = 0; i < NR; ++i) acc[i] += load_row<T>(x + rows[i] * K + k, n) * av;
+    }
+    for (int i = 0; i < NR; ++i) t[i * R + r] = hsum(acc[i]);
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, N - n0);
+    vfloat acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = vfloat{};
+    for (int64_t r = 0; r < R; ++r) {
+      const vfloat bv = load_f32_n(bt + r * N + n0, n);
+      for (int i = 0; i < NR; ++i) acc[i] += MET_SPLAT(t[i * R + r]) * bv;
+    }
+    for (int i = 0; i < NR; ++i) {
+      T* yr = y + rows[i] * N + n0;
+      const vfloat sum = load_row<T>(yr, n) + acc[i];
+      if constexpr (std::is_same_v<T, float>) {
+        store_f32_n(yr, sum, n);
+      } else {
+        store_bf16_n(yr, sum, n);
+      }
+    }
+  }
+}
+
+// Tiles [b, e) of `order` (rows sorted by slot, starts[j] the first row of tile j).
+template <typename T>
+MET_CLONES void lora_tiles(const T* x, T* y, const float* a, const float* bt,
+                           const int32_t* slots, const int64_t* order, const int64_t* starts,
+                           int64_t tb, int64_t te, int64_t K, int64_t R, int64_t N) {
+  std::vector<float> t(static_cast<size_t>(kTile * R));
+  for (int64_t j = tb; j < te; ++j) {
+    const int64_t* rows = order + starts[j];
+    const int64_t nr = starts[j + 1] - starts[j];
+    const int64_t s = slots[rows[0]];
+    const float* as = a + s * R * K;
+    const float* bs = bt + s * R * N;
+    switch (nr) {
+      case 1: tile_rows<T, 1>(x, y, as, bs, rows, K, R, N, t.data()); break;
+      case 2: tile_rows<T, 2>(x, y, as, bs, rows, K, R, N, t.data()); break;
+      case 3: tile_rows<T, 3>(x, y, as, bs, rows, K, R, N, t.data()); break;
+      default: tile_rows<T, 4>(x, y, as, bs, rows, K, R, N, t.data()); break;
+    }
+  }
+}
+
+// y [M, N] (float32 or bfloat16, in place) += each row's delta; x [M, K] of y's dtype;
+// a [S, R, K] and bt [S, R, N] float32; slots int32 [M] (-1: no adapter).
+void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+               const at::Tensor& bt, const at::Tensor& slots) {
+  TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous() &&
+                  (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
+              "lora_add_: y must be a contiguous 2-D float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == y.scalar_type() &&
+                  x.size(0) == y.size(0),
+              "lora_add_: x must be contiguous [M, K] of y's dtype");
+  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.is_contiguous() && bt.is_contiguous() &&
+                  a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
+                  a.size(0) == bt.size(0) && a.size(1) == bt.size(1) &&
+                  a.size(2) == x.size(1) && bt.size(2) == y.size(1),
+              "lora_add_: a [S, R, K] and bt [S, R, N] must be contiguous float32");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.numel() == y.size(0),
+              "lora_add_: slots must be int32, one per row");
+  const int64_t M = y.size(0), K = x.size(1), N = y.size(1), R = a.size(1), S = a.size(0);
+  const int32_t* sl = slots.data_ptr<int32_t>();
+  // Rows grouped by slot in ascending row order, cut into tiles of up to kTile rows.
+  std::vector<int64_t> order, starts;
+  order.reserve(M);
+  for (int64_t s = 0; s < S; ++s) {
+    int64_t in_tile = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      if (sl[m] != s) continue;
+      if (in_tile % kTile == 0) starts.push_back(static_cast<int64_t>(order.size()));
+      order.push_back(m);
+      ++in_tile;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(sl[m] < S, "lora_add_: row ", m, " names slot ", sl[m], " of ", S);
+  }
+  const int64_t tiles = static_cast<int64_t>(starts.size());
+  if (tiles == 0) return;
+  starts.push_back(static_cast<int64_t>(order.size()));
+  const float* ap = a.data_ptr<float>();
+  const float* bp = bt.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    if (y.scalar_type() == at::kFloat) {
+      lora_tiles<float>(x.data_ptr<float>(), y.data_ptr<float>(), ap, bp, sl, order.data(),
+                        starts.data(), b, e, K, R, N);
+    } else {
+      lora_tiles<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                           reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), ap, bp, sl,
+                           order.data(), starts.data(), b, e, K, R, N);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(MET_OP_NAMESPACE, m) {
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor slots) -> ()",
+        &lora_add_);
+}
