@@ -80,13 +80,54 @@ class ServerMetrics:
         self.spec_length = Gauge("met_spec_decode_mean_accepted_length", "Tokens a verifying "
                                  "request gains per step (accepted drafts + its own)", spec,
                                  registry=r)
+        self._lora_metrics(r)
         # The latest requests' exact latencies, for the terminal dashboard's p50/p99 (the
         # histograms' buckets are too coarse for that).
         self.recent_ttft: deque[float] = deque(maxlen=1024)
         self.recent_tpot: deque[float] = deque(maxlen=1024)
 
+    def _lora_metrics(self, r: CollectorRegistry) -> None:
+        per = ["model_name", "adapter"]
+        self.lora_requests = Counter("met_lora_requests", "Finished requests (choices) per "
+                                     "LoRA adapter", per, registry=r)
+        self.lora_tokens = Counter("met_lora_generation_tokens", "Tokens generated per LoRA "
+                                   "adapter", per, registry=r)
+        self.lora_active = Gauge("met_lora_adapter_requests", "Queued + running requests per "
+                                 "LoRA adapter", per, registry=r)
+        self.lora_state = Gauge("met_lora_adapter_info", "Each loaded adapter (value 1) and "
+                                "where it is: resident (in a slot), in_memory, on_disk",
+                                per + ["state"], registry=r)
+        self.lora_bytes = Gauge("met_lora_adapter_bytes", "An adapter's matrices in memory",
+                                per, registry=r)
+        self.lora_slots = Gauge("met_lora_slots", "Adapter slots, and how many running "
+                                "requests pin", ["model_name", "kind"], registry=r)
+        self.lora_loads = Gauge("met_lora_slot_loads", "Adapters written into a slot since "
+                                "start (swaps)", ["model_name"], registry=r)
+        self.lora_reads = Gauge("met_lora_disk_reads", "Adapters read from disk again after "
+                                "--max-cpu-loras evicted them", ["model_name"], registry=r)
+        self.lora_slot_bytes = Gauge("met_lora_slot_bytes", "Bytes the adapter slots take",
+                                     ["model_name"], registry=r)
+
+    def _render_lora(self, lora) -> None:
+        snap = lora.snapshot()
+        self.lora_state.clear()
+        for name, a in snap["adapters"].items():
+            labels = dict(adapter=name, **self._labels)
+            self.lora_state.labels(state=a["state"], **labels).set(1)
+            self.lora_active.labels(**labels).set(a["requests"])
+            self.lora_bytes.labels(**labels).set(a["bytes"])
+        self.lora_slots.labels(kind="total", **self._labels).set(snap["slots"])
+        self.lora_slots.labels(kind="pinned", **self._labels).set(snap["slots_pinned"])
+        self.lora_loads.labels(**self._labels).set(snap["slot_loads"])
+        self.lora_reads.labels(**self._labels).set(snap["disk_reads"])
+        self.lora_slot_bytes.labels(**self._labels).set(snap["slot_bytes"])
+
     def on_choice_done(self, gen: Generation, c: ChoiceState) -> None:
         self.requests.labels(finish_reason=c.finish_reason or "unknown", **self._labels).inc()
+        adapter = gen.params[c.prompt_index].lora
+        if adapter is not None:
+            self.lora_requests.labels(adapter=adapter, **self._labels).inc()
+            self.lora_tokens.labels(adapter=adapter, **self._labels).inc(c.num_tokens)
         self.generation_tokens.inc(c.num_tokens)
         if c.index % gen.n == 0:  # once per prompt
             prompt_len = len(gen.prompts[c.prompt_index].token_ids)
@@ -123,6 +164,9 @@ class ServerMetrics:
             self.spec_verifies.labels(**labels).set(s.spec.verifies)
             self.spec_acceptance.labels(**labels).set(s.spec.acceptance_rate)
             self.spec_length.labels(**labels).set(s.spec.mean_accepted_length)
+        lora = getattr(getattr(engine, "core", None), "lora", None)
+        if lora is not None:
+            self._render_lora(lora)
         if s.kv is not None:
             self.kv_total.set(s.kv.num_blocks_total)
             self.kv_used.set(s.kv.num_blocks_in_use)

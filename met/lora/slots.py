@@ -268,6 +268,19 @@ class LoRAManager:
         self.step.groups = []
         self.step.row_slots = None
 
+    def snapshot(self) -> dict:
+        """For /metrics: each adapter's state (resident in a slot, in memory, or on disk
+        only) and queued + running requests, and the manager's totals."""
+        with self._lock:
+            adapters = {
+                name: {"state": "resident" if name in self.slot_of else
+                       "in_memory" if ad.weights is not None else "on_disk",
+                       "requests": self.holds[name], "bytes": ad.nbytes}
+                for name, ad in self.adapters.items()}
+            return {"adapters": adapters, "slots": self.max_loras,
+                    "slots_pinned": sum(r > 0 for r in self.refs), "slot_loads": self.loads,
+                    "disk_reads": self.reads, "slot_bytes": self.resident_bytes()}
+
     def resident_bytes(self) -> int:
         """Bytes of every projection's slot matrices."""
         return sum(p.a.nbytes + p.bt.nbytes for _, p in self.projections)

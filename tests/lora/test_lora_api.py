@@ -58,6 +58,7 @@ def test_adapters_over_http(tiny_checkpoint, tmp_path):
         r = await client.post("/v1/load_lora_adapter",
                               json={"lora_name": "c", "lora_path": str(tmp_path / "none")})
         out["bad_load"] = (r.status_code, r.json()["error"]["message"])
+        out["metrics"] = (await client.get("/metrics")).text
         out["unload"] = (await client.post("/v1/unload_lora_adapter",
                                            json={"lora_name": "b"})).status_code
         r = await client.post("/v1/completions", json=_body("b", prompt))
@@ -74,6 +75,21 @@ def test_adapters_over_http(tiny_checkpoint, tmp_path):
     assert out["load"] == 200 and out["loaded_b"] == want_b
     assert out["bad_load"][0] == 400 and "not a directory" in out["bad_load"][1]
     assert out["unload"] == 200 and out["after_unload"] == 404
+    # /metrics per adapter: a served 3 requests (2 completions, 1 message), b one.
+    metrics = _samples(out["metrics"])
+    assert metrics[("met_lora_requests_total", "a")] == 3
+    assert metrics[("met_lora_requests_total", "b")] == 1
+    assert metrics[("met_lora_generation_tokens_total", "a")] == 2 * MAX_NEW + 4
+    assert metrics[("met_lora_adapter_info", "a")] == 1
+    assert metrics[("met_lora_adapter_requests", "a")] == 0
+
+
+def _samples(text: str) -> dict[tuple[str, str | None], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, s.labels.get("adapter")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("met_lora")}
 
 
 def test_runtime_loading_is_off_unless_allowed(tiny_checkpoint, tmp_path):
