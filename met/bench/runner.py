@@ -51,7 +51,7 @@ async def _measure(gate_name: str, server: ManagedServer, cfg: Any,
     async with new_client(64) as client:
         models = (await client.get(server.url + "/v1/models", timeout=30)).json()["data"]
         ctx = GateContext(gate_name, Target(server.url, SERVED_NAME), client,
-                          models[0].get("max_model_len"), progress)
+                          models[0].get("max_model_len"), progress, server.model)
         return await GATES[gate_name].run(ctx, cfg)
 
 

@@ -7,8 +7,8 @@ Two backends, chosen once per engine in the registry (`registry.LORA_BACKENDS`):
 - ``torch`` (the reference): one shrink and one expand matrix multiply per slot present in
   the step, over that slot's rows gathered together (the SGMV shape).
 
-Both take the slots' matrices as a [S, R, K] and bt [S, R, N] float32, the adapter's scaling
-folded into bt.
+Both take the slots' matrices as a [S, R, K] and bt [S, R, N] (float32, or bfloat16 for a
+bfloat16 model), the adapter's scaling folded into bt; both sum in float32.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor
     out = y
     for slot, rows in groups:
         xs = x if rows is None else x.index_select(0, rows)
-        delta = (xs.float() @ a[slot].T) @ bt[slot]
+        delta = (xs.float() @ a[slot].float().T) @ bt[slot].float()
         if rows is None:
             out = out + delta.to(out.dtype)
         else:

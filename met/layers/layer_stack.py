@@ -12,7 +12,9 @@ It applies where every projection is a native 4-bit w4a8 kernel, every layer has
 attention window and head counts, and the step attends every row through the decode kernel in
 one call: a pure decode step, or any step of a w4a8 model (its prompt rows attend row by row,
 `ForwardBatch.row_attention`) unless prompt rows take their own kernels (``prompt_rows``, on
-AMX CPUs). Elsewhere `run` returns None and the caller runs the Python loop.
+AMX CPUs), and no row of the step runs a LoRA adapter (their deltas are added by
+`Linear.forward`, which the stack skips). Elsewhere `run` returns None and the caller runs the
+Python loop.
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ class LayerStack:
     # attention scale and window are every layer's (`build` checks).
     shared: FusedLayer
     attention_op: str
+    lora_step: object | None = None  # `met.lora.slots.StepMapping` where adapter slots exist
 
     def run(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: Sequence[KVCache]
             ) -> torch.Tensor | None:
         """The last layer's output through the final norm, as the Python loop computes it
         from the embedded tokens ``x``; None when this step cannot run here."""
+        if self.lora_step is not None and self.lora_step.groups:
+            return None
         cache = kv_caches[0]  # every layer's cache has the same dtype and layout
         if batch.prompt_rows or not native_applies(cache, x.dtype, cache.k.shape[-1]):
             return None
@@ -77,8 +82,8 @@ def build(layers: Sequence[FusedLayer], projections: Sequence[Sequence[Linear]],
     """The stack of a model's fused layers (`FusedLayer`: norms, rotary
     tables, head counts, window) and their projections (qkv, o, gate_up, down per layer), or
     None where it does not apply (see the module docstring) or a kernel did not build."""
-    if any(proj.lora is not None for per_layer in projections for proj in per_layer):
-        return None  # LoRA deltas are added by Linear.forward, which the stack skips
+    loras = [proj.lora for per_layer in projections for proj in per_layer
+             if proj.lora is not None]
     calls = [proj.kernel_call() for per_layer in projections for proj in per_layer]
     attention_op = native_op_name()
     if (not layers or any(call is None for call in calls) or attention_op is None
@@ -96,4 +101,5 @@ def build(layers: Sequence[FusedLayer], projections: Sequence[Sequence[Linear]],
         norms=norms, norm_eps=eps, linear_op=calls[0].op,
         weights=[w for call in calls for w in call.weights],
         biases=[call.bias for call in calls], out_features=[call.out_features for call in calls],
-        shared=layers[0], attention_op=attention_op)
+        shared=layers[0], attention_op=attention_op,
+        lora_step=loras[0].step if loras else None)

@@ -45,12 +45,12 @@ class LoRAProjection:
     """The slots of one (possibly fused) projection; `add` is its step's delta."""
 
     def __init__(self, parts: list[tuple[str, int, int]], fan_in: int, fan_out: int,
-                 slots: int, rank: int, step: StepMapping):
+                 slots: int, rank: int, step: StepMapping, dtype: torch.dtype):
         self.parts = parts  # (target, first output row, rows)
         self.rank = rank
         self.step = step
-        self.a = torch.zeros(slots, len(parts) * rank, fan_in)
-        self.bt = torch.zeros(slots, len(parts) * rank, fan_out)
+        self.a = torch.zeros(slots, len(parts) * rank, fan_in, dtype=dtype)
+        self.bt = torch.zeros(slots, len(parts) * rank, fan_out, dtype=dtype)
 
     def write(self, slot: int, layer: int, adapter: LoRAAdapter | None) -> None:
         self.a[slot].zero_()
@@ -100,8 +100,12 @@ class LoRAManager:
     ``max_cpu_loras`` while queued requests name more adapters than that."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
-                 backend: str = "torch", max_cpu_loras: int | None = None):
+                 backend: str = "torch", max_cpu_loras: int | None = None,
+                 dtype: torch.dtype = torch.float32):
         self.max_loras, self.max_rank = max_loras, max_lora_rank
+        # Slots hold bfloat16 for a bfloat16 model (what peft computes in there too, and half
+        # the bytes each step reads), else float32; the sums run in float32 either way.
+        slot_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.max_cpu = max_cpu_loras  # None: every registered adapter stays in memory
         self.backend = backend  # a `registry.LORA_BACKENDS` name
         self.step = StepMapping(native=backend == "cpu-native")
@@ -120,7 +124,7 @@ class LoRAManager:
             for t, _, rows in parts:
                 self.shapes[(layer, t)] = (module.in_features, rows)
             proj = LoRAProjection(parts, module.in_features, module.out_features,
-                                  max_loras, max_lora_rank, self.step)
+                                  max_loras, max_lora_rank, self.step, slot_dtype)
             module.lora = proj
             self.projections.append((layer, proj))
         if not self.projections:

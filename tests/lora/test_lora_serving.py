@@ -20,24 +20,35 @@ needs_native = pytest.mark.skipif(not probe().avx2, reason="the native LoRA kern
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", [(1, 64, 96), (7, 100, 37), (33, 576, 960)])
 def test_native_kernel_matches_the_reference(dtype, m, k, n):
-    """Rows with and without adapters, sizes that are not whole vectors."""
+    """Rows with and without adapters, sizes that are not whole vectors; slots in the
+    model's dtype (bfloat16 slots for a bfloat16 model)."""
     g = torch.Generator().manual_seed(m * k + n)
     slots, rank = 3, 24
-    a = torch.randn(slots, rank, k, generator=g)
-    bt = torch.randn(slots, rank, n, generator=g) * 0.05
+    a = torch.randn(slots, rank, k, generator=g).to(dtype)
+    bt = (torch.randn(slots, rank, n, generator=g) * 0.05).to(dtype)
     row_slots = torch.randint(-1, slots, (m,), generator=g, dtype=torch.int32)
     x = torch.randn(m, k, generator=g).to(dtype)
     y = torch.randn(m, n, generator=g).to(dtype)
     groups = [(s, torch.nonzero(row_slots == s).flatten())
               for s in sorted(set(row_slots.tolist()) - {-1})]
-    want = add_lora(y.clone(), x, a, bt, groups).float()
-    got = add_lora_native(y.clone(), x, a, bt, row_slots).float()
-    # float32: the same sums in another order; bfloat16: the reference rounds the delta
-    # before adding it, the kernel after, so results may differ by one bfloat16 ulp.
-    tol = 1e-4 if dtype == torch.float32 else 2 ** -7
-    assert torch.allclose(got, want, rtol=tol, atol=tol)
+    exact = y.double().clone()
+    for s, rows in groups:
+        exact[rows] += (x[rows].double() @ a[s].double().T) @ bt[s].double()
+    want = add_lora(y.clone(), x, a, bt, groups).double()
+    got = add_lora_native(y.clone(), x, a, bt, row_slots).double()
+    if dtype == torch.float32:
+        assert torch.allclose(got, exact, rtol=1e-5, atol=1e-4)
+        assert torch.allclose(want, exact, rtol=1e-5, atol=1e-4)
+    else:
+        # The kernel rounds once, after its float32 sums: within one bfloat16 ulp of the
+        # exact result. The reference rounds the delta first, then the sum: within one ulp
+        # of the delta's size too.
+        ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+        assert ((got - exact).abs() <= ulp).all()
+        delta = (exact - y.double()).abs()
+        assert ((want - exact).abs() <= ulp + delta * 2 ** -7).all()
     base = row_slots < 0
-    assert torch.equal(got[base], y.float()[base]), "a row without an adapter changed"
+    assert torch.equal(got[base], y.double()[base]), "a row without an adapter changed"
 
 
 @needs_native
@@ -57,7 +68,7 @@ def test_the_torch_backend_also_matches_peft(tiny_checkpoint, tmp_path):
     a = make_adapter(model_dir, tmp_path / "a", seed=1)
     prompt = oracle_prompts("llama")[0]
     llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=256,
-              lora_modules={"a": str(a)})
+              lora_modules={"a": str(a)}, lora_backend="torch")
     assert llm.engine.lora.backend == "torch"
     outs = llm.generate([{"prompt_token_ids": prompt}] * 2, greedy(), lora=["a", None])
     assert list(outs[0].outputs[0].token_ids) == hf_tokens(peft_model(model_dir, a), prompt)
@@ -119,3 +130,37 @@ def test_an_adapter_a_queued_request_names_cannot_be_unloaded(tiny_checkpoint, t
     llm.engine.abort_request("q")
     llm.unload_lora_adapter("a")
     assert "a" not in llm.engine.lora.adapters
+
+
+@pytest.mark.slow
+def test_base_rows_keep_the_layer_stack_and_their_tokens(tmp_path, monkeypatch):
+    """The embedded model on its fast path: with LoRA enabled, a step without adapter rows
+    still runs the one-call layer stack, and base requests get the tokens of a server
+    without LoRA, alone and batched with adapter requests."""
+    from met.bench.gates.lora import model_config, write_random_adapter
+    from met.layers import layer_stack
+
+    ran = []
+    real = layer_stack.LayerStack.run
+
+    def counting(self, *args):
+        out = real(self, *args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layer_stack.LayerStack, "run", counting)
+    adapter = write_random_adapter(model_config(None), tmp_path / "a", rank=8, seed=1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fib(n):"]
+    plain = LLM(None, dtype="bfloat16", max_model_len=512)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    stack_in_plain = any(ran)
+    del plain
+    ran.clear()
+    llm = LLM(None, dtype="bfloat16", max_model_len=512, lora_modules={"a": str(adapter)})
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert alone == want
+    assert any(ran) == stack_in_plain, "LoRA turned the layer stack off for base-only steps"
+    mixed = llm.generate(prompts + prompts, params, lora=[None, None, "a", "a"])
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == want
+    assert llm.kv_stats().num_blocks_in_use == 0

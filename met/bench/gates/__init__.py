@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from met.bench.gates import kat, perf, structured
+from met.bench.gates import kat, lora, perf, structured
 from met.bench.gates.base import Gate, GateContext, GateOutcome
 
 GATES: dict[str, Gate] = {g.name: g for g in (
@@ -25,6 +25,11 @@ GATES: dict[str, Gate] = {g.name: g for g in (
          "a server started with no native kernels built: the first request's TTFT after "
          "ready within max_ratio of the median of the next ones (nothing compiles late)",
          perf.configure_first_request, perf.run_first_request, fresh_kernels=True),
+    Gate("lora-mix",
+         "the same prompts at one concurrency on the base model, then spread over several "
+         "rank-r adapters (loaded over /v1/load_lora_adapter, timed): adapters' output "
+         "tok/s >= min_ratio of the base's; no errors",
+         lora.configure, lora.run),
     Gate("kat-equality",
          "fixed prompts (greedy and seeded sampling) byte-identical one at a time, all at "
          "once, and all at once in reverse order",

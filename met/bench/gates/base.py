@@ -22,6 +22,7 @@ class GateContext:
     client: httpx.AsyncClient
     max_model_len: int | None
     progress: TextIO | None = None
+    model: str | None = None  # what the server serves (None: the embedded model)
 
 
 @dataclass

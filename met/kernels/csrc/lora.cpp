@@ -28,18 +28,19 @@ MET_INLINE vfloat load_row<uint16_t>(const uint16_t* p, int64_t n) {
   return load_bf16_n(p, n);
 }
 
-// rows[0..nr) all run slot `a`/`bt`: t[i][r] = x[rows[i]] . a[r], then
+// rows[0..nr) all run slot `a`/`bt` (W: float32, or bfloat16 bits for bfloat16 models: half
+// the bytes, and eight rank-16 adapters on every projection outweigh a 4-bit base model): t[i][r] = x[rows[i]] . a[r], then
 // y[rows[i]] += sum_r t[i][r] bt[r] (float32 sums, r ascending, then one rounding into y).
-template <typename T, int NR>
-MET_INLINE void tile_rows(const T* x, T* y, const float* a, const float* bt, const int64_t* rows,
+template <typename T, typename W, int NR>
+MET_INLINE void tile_rows(const T* x, T* y, const W* a, const W* bt, const int64_t* rows,
                           int64_t K, int64_t R, int64_t N, float* t) {
   for (int64_t r = 0; r < R; ++r) {
-    const float* ar = a + r * K;
+    const W* ar = a + r * K;
     vfloat acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = vfloat{};
     for (int64_t k = 0; k < K; k += kLanes) {
       const int64_t n = std::min<int64_t>(kLanes, K - k);
-      const vfloat av = load_f32_n(ar + k, n);
+      const vfloat av = load_row<W>(ar + k, n);
       for (int i = 0; i < NR; ++i) acc[i] += load_row<T>(x + rows[i] * K + k, n) * av;
     }
     for (int i = 0; i < NR; ++i) t[i * R + r] = hsum(acc[i]);
@@ -49,7 +50,7 @@ MET_INLINE void tile_rows(const T* x, T* y, const float* a, const float* bt, con
     vfloat acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = vfloat{};
     for (int64_t r = 0; r < R; ++r) {
-      const vfloat bv = load_f32_n(bt + r * N + n0, n);
+      const vfloat bv = load_row<W>(bt + r * N + n0, n);
       for (int i = 0; i < NR; ++i) acc[i] += MET_SPLAT(t[i * R + r]) * bv;
     }
     for (int i = 0; i < NR; ++i) {
@@ -65,8 +66,8 @@ MET_INLINE void tile_rows(const T* x, T* y, const float* a, const float* bt, con
 }
 
 // Tiles [b, e) of `order` (rows sorted by slot, starts[j] the first row of tile j).
-template <typename T>
-MET_CLONES void lora_tiles(const T* x, T* y, const float* a, const float* bt,
+template <typename T, typename W>
+MET_CLONES void lora_tiles(const T* x, T* y, const W* a, const W* bt,
                            const int32_t* slots, const int64_t* order, const int64_t* starts,
                            int64_t tb, int64_t te, int64_t K, int64_t R, int64_t N) {
   std::vector<float> t(static_cast<size_t>(kTile * R));
@@ -74,19 +75,19 @@ MET_CLONES void lora_tiles(const T* x, T* y, const float* a, const float* bt,
     const int64_t* rows = order + starts[j];
     const int64_t nr = starts[j + 1] - starts[j];
     const int64_t s = slots[rows[0]];
-    const float* as = a + s * R * K;
-    const float* bs = bt + s * R * N;
+    const W* as = a + s * R * K;
+    const W* bs = bt + s * R * N;
     switch (nr) {
-      case 1: tile_rows<T, 1>(x, y, as, bs, rows, K, R, N, t.data()); break;
-      case 2: tile_rows<T, 2>(x, y, as, bs, rows, K, R, N, t.data()); break;
-      case 3: tile_rows<T, 3>(x, y, as, bs, rows, K, R, N, t.data()); break;
-      default: tile_rows<T, 4>(x, y, as, bs, rows, K, R, N, t.data()); break;
+      case 1: tile_rows<T, W, 1>(x, y, as, bs, rows, K, R, N, t.data()); break;
+      case 2: tile_rows<T, W, 2>(x, y, as, bs, rows, K, R, N, t.data()); break;
+      case 3: tile_rows<T, W, 3>(x, y, as, bs, rows, K, R, N, t.data()); break;
+      default: tile_rows<T, W, 4>(x, y, as, bs, rows, K, R, N, t.data()); break;
     }
   }
 }
 
 // y [M, N] (float32 or bfloat16, in place) += each row's delta; x [M, K] of y's dtype;
-// a [S, R, K] and bt [S, R, N] float32; slots int32 [M] (-1: no adapter).
+// a [S, R, K] and bt [S, R, N] float32 or bfloat16 (both alike); slots int32 [M] (-1: none).
 void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                const at::Tensor& bt, const at::Tensor& slots) {
   TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous() &&
@@ -96,10 +97,12 @@ void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                   x.size(0) == y.size(0),
               "lora_add_: x must be contiguous [M, K] of y's dtype");
   TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.is_contiguous() && bt.is_contiguous() &&
-                  a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) &&
+                  bt.scalar_type() == a.scalar_type() &&
                   a.size(0) == bt.size(0) && a.size(1) == bt.size(1) &&
                   a.size(2) == x.size(1) && bt.size(2) == y.size(1),
-              "lora_add_: a [S, R, K] and bt [S, R, N] must be contiguous float32");
+              "lora_add_: a [S, R, K] and bt [S, R, N] must be contiguous, float32 or "
+              "bfloat16 alike");
   TORCH_CHECK(slots.scalar_type() == at::kInt && slots.dim() == 1 && slots.is_contiguous() &&
                   slots.numel() == y.size(0),
               "lora_add_: slots must be int32, one per row");
@@ -123,16 +126,24 @@ void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
   const int64_t tiles = static_cast<int64_t>(starts.size());
   if (tiles == 0) return;
   starts.push_back(static_cast<int64_t>(order.size()));
-  const float* ap = a.data_ptr<float>();
-  const float* bp = bt.data_ptr<float>();
+  const bool wide = a.scalar_type() == at::kFloat;
+  const void* ap = a.data_ptr();
+  const void* bp = bt.data_ptr();
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    auto run = [&](auto* xp, auto* yp) {
+      if (wide) {
+        lora_tiles(xp, yp, static_cast<const float*>(ap), static_cast<const float*>(bp), sl,
+                   order.data(), starts.data(), b, e, K, R, N);
+      } else {
+        lora_tiles(xp, yp, static_cast<const uint16_t*>(ap), static_cast<const uint16_t*>(bp),
+                   sl, order.data(), starts.data(), b, e, K, R, N);
+      }
+    };
     if (y.scalar_type() == at::kFloat) {
-      lora_tiles<float>(x.data_ptr<float>(), y.data_ptr<float>(), ap, bp, sl, order.data(),
-                        starts.data(), b, e, K, R, N);
+      run(x.data_ptr<float>(), y.data_ptr<float>());
     } else {
-      lora_tiles<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                           reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), ap, bp, sl,
-                           order.data(), starts.data(), b, e, K, R, N);
+      run(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+          reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
     }
   });
 }
