@@ -192,7 +192,8 @@ class EngineCore:
         config = self.config
         if not config.enable_lora:
             return None
-        manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank)
+        manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank,
+                              getattr(self.loaded.hf_config, "model_type", None))
         self.loaded.model.__dict__.pop("_layer_stack", None)  # built before the slots existed
         for name, path in (config.lora_modules or {}).items():
             adapter = manager.register(name, path)

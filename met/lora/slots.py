@@ -20,7 +20,8 @@ from torch import nn
 
 from met.kernels.lora import add_lora
 from met.layers.linear import Linear
-from met.lora.adapter import AdapterError, LoRAAdapter, load_peft
+from met.lora.adapter import AdapterError, LoRAAdapter
+from met.lora.load import load_adapter
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 # The Linear modules slots attach to: the fused projections and the unfused ones.
@@ -81,10 +82,14 @@ def _parts(name: str, module: nn.Module, attn: nn.Module | None) -> list[tuple[s
 
 class LoRAManager:
     """The adapters a server knows (name -> path, loaded and checked at registration) and
-    the ``max_loras`` slots resident in the model's projections."""
+    the ``max_loras`` slots resident in the model's projections. ``model_type``: the base's
+    HF model_type, which a GGUF adapter's architecture must match."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
+                 model_type: str | None = None):
         self.max_loras, self.max_rank = max_loras, max_lora_rank
+        self.model_type = model_type
+        self.head_dim: int | None = None  # a GGUF adapter's q/k rows are reordered by heads
         self.step = StepMapping()
         self.projections: list[tuple[int, LoRAProjection]] = []
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
@@ -97,6 +102,8 @@ class LoRAManager:
             if target not in _PROJECTIONS:
                 continue
             attn = modules.get(name.rsplit(".", 1)[0]) if target == "qkv_proj" else None
+            if target in ("qkv_proj", "q_proj"):
+                self.head_dim = getattr(modules.get(name.rsplit(".", 1)[0]), "head_dim", None)
             parts = _parts(target, module, attn)
             for t, _, rows in parts:
                 self.shapes[(layer, t)] = (module.in_features, rows)
@@ -121,7 +128,8 @@ class LoRAManager:
             raise AdapterError("lora: an adapter needs a name")
         if name in self.adapters:
             raise AdapterError(f"lora {name}: an adapter of that name is already loaded")
-        adapter = load_peft(name, path, self.shapes, self.max_rank)
+        adapter = load_adapter(name, path, self.shapes, self.max_rank, head_dim=self.head_dim,
+                               model_type=self.model_type)
         with self._lock:
             if name in self.adapters:
                 raise AdapterError(f"lora {name}: an adapter of that name is already loaded")
