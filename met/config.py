@@ -187,9 +187,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Speculative decoding (SpeculativeConfig, or its JSON); None: off.
     speculative_config: SpeculativeConfig | None = None
-    # LoRA adapters (met/lora): name -> PEFT adapter directory, served beside the base model;
-    # max_loras of them resident at once (slots), each of rank <= max_lora_rank. Giving
-    # lora_modules turns enable_lora on.
+    # LoRA adapters (met/lora): name -> PEFT directory or GGUF LoRA file, served beside the
+    # base model; max_loras of them resident at once (slots), each of rank <= max_lora_rank.
+    # Giving lora_modules turns enable_lora on.
     enable_lora: bool = False
     lora_modules: Mapping[str, str] | None = None
     max_loras: int = 4

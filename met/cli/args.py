@@ -61,8 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "while serving with --allow-runtime-lora)")
     p.add_argument("--lora-modules", nargs="+", type=_parse_lora_module, default=None,
                    metavar="NAME=PATH",
-                   help="PEFT adapter directories to serve, each under its name (a request's "
-                        "`model` or `adapter` field picks it); implies --enable-lora")
+                   help="LoRA adapters to serve, PEFT directories or llama.cpp GGUF LoRA "
+                        "files, each under its name (a request's `model` or `adapter` field "
+                        "picks it); implies --enable-lora")
     p.add_argument("--max-loras", type=int, default=4,
                    help="adapters resident at once (slots); more wait in the queue")
     p.add_argument("--max-lora-rank", type=int, default=16,

@@ -194,7 +194,8 @@ class EngineCore:
             return None
         backend = registry.lora_backend(self.device.type, config.lora_backend)
         manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank,
-                              backend.name, config.max_cpu_loras, self.dtype)
+                              backend.name, config.max_cpu_loras, self.dtype,
+                              getattr(self.loaded.hf_config, "model_type", None))
         self.loaded.model.__dict__.pop("_layer_stack", None)  # built before the slots existed
         for name, path in (config.lora_modules or {}).items():
             adapter = manager.register(name, path)

@@ -67,7 +67,8 @@ class LLM:
         self._ids = itertools.count()
 
     def load_lora_adapter(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter in directory ``path`` as ``name`` (needs enable_lora)."""
+        """Serve the adapter at ``path`` (a PEFT directory or a GGUF LoRA file) as ``name``
+        (needs enable_lora)."""
         if self.engine.lora is None:
             raise ValueError("lora: construct LLM with enable_lora=True to load adapters")
         self.engine.lora.register(name, path)

@@ -1,4 +1,7 @@
-"""A PEFT LoRA adapter as met serves it: read, checked against the base model, kept on the CPU.
+"""A LoRA adapter as met serves it: read, checked against the base model, kept on the CPU.
+
+This module reads PEFT directories; met.lora.gguf_adapter reads llama.cpp's GGUF LoRA files
+into the same `LoRAAdapter`, and met.lora.load picks between them.
 
 PEFT writes ``adapter_config.json`` (rank ``r``, ``lora_alpha``, ``target_modules``,
 ``use_rslora``) and ``adapter_model.safetensors`` with, per target projection,

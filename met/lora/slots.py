@@ -21,7 +21,8 @@ from torch import nn
 
 from met.kernels.lora import add_lora, add_lora_native
 from met.layers.linear import Linear
-from met.lora.adapter import AdapterError, LoRAAdapter, load_peft
+from met.lora.adapter import AdapterError, LoRAAdapter
+from met.lora.load import load_adapter
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ def _parts(name: str, module: nn.Module, attn: nn.Module | None) -> list[tuple[s
 class LoRAManager:
     """The adapters a server knows (name -> path, read and checked at registration), the
     ``max_cpu_loras`` most recently used of them kept in memory, and the ``max_loras``
-    slots resident in the model's projections.
+    slots resident in the model's projections. ``model_type``: the base's HF model_type,
+    which a GGUF adapter's architecture must match.
 
     A request holds its adapter in memory from `hold` (when it is queued) to `unhold` (when
     it ends), and pins a slot while it runs; an adapter evicted from memory is read from its
@@ -101,8 +103,10 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
                  backend: str = "torch", max_cpu_loras: int | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, model_type: str | None = None):
         self.max_loras, self.max_rank = max_loras, max_lora_rank
+        self.model_type = model_type
+        self.head_dim: int | None = None  # a GGUF adapter's q/k rows are reordered by heads
         # Slots hold bfloat16 for a bfloat16 model (what peft computes in there too, and half
         # the bytes each step reads), else float32; the sums run in float32 either way.
         slot_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
@@ -120,6 +124,8 @@ class LoRAManager:
             if target not in _PROJECTIONS:
                 continue
             attn = modules.get(name.rsplit(".", 1)[0]) if target == "qkv_proj" else None
+            if target in ("qkv_proj", "q_proj"):
+                self.head_dim = getattr(modules.get(name.rsplit(".", 1)[0]), "head_dim", None)
             parts = _parts(target, module, attn)
             for t, _, rows in parts:
                 self.shapes[(layer, t)] = (module.in_features, rows)
@@ -158,7 +164,8 @@ class LoRAManager:
         return adapter
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
-        return load_peft(name, path, self.shapes, self.max_rank)
+        return load_adapter(name, path, self.shapes, self.max_rank, head_dim=self.head_dim,
+                            model_type=self.model_type)
 
     def hold(self, name: str) -> LoRAAdapter:
         """A request queued under ``name``: its weights in memory (read again if evicted;
