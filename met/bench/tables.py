@@ -240,8 +240,8 @@ _OPS = {">=": "≥", "<=": "≤", "==": "="}
 
 
 def _value(x: Any) -> str:
-    if isinstance(x, float):
-        return f"{x:,.1f}"
+    if isinstance(x, float):  # a ratio keeps its third digit: 0.693 must not read as 0.7
+        return f"{x:,.1f}" if abs(x) >= 10 or x == int(x) else f"{x:.3g}"
     return str(x)
 
 
