@@ -28,4 +28,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With SamplingParams.pooling (an embedding request): the pooled float32 vector.
+    embedding: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -11,6 +11,7 @@ import torch
 from met.cache.kv_manager import KVCacheManager, KVStats
 from met.config import EngineConfig
 from met.engine.drafter import ModelDrafter
+from met.engine.pooling import PoolState, check_pooling
 from met.kernels import kv_cache, native, registry
 from met.loader.model_loader import LoadedModel, load_model
 from met.lora.slots import LoRAManager
@@ -50,6 +51,8 @@ class RequestUpdate:
     # Set (with finish_reason "error") when the request failed on its own, e.g. its grammar
     # reached a dead end; the server fails that request and no other.
     error: str | None = None
+    # Set (finished, reason "stop") when the request pooled its prompt (an embedding).
+    embedding: list[float] | None = None
 
 
 def _check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -248,7 +251,10 @@ class EngineCore:
             raise ValueError(f"sampling params: token id {params.max_token_id()} (in "
                              f"stop_token_ids, logit_bias, bad_words or allowed_token_ids) is "
                              f"outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
+        if params.pooling is not None:  # an embedding: its prompt runs, nothing is generated
+            check_pooling(params.pooling, len(prompt_token_ids),
+                          int(self.loaded.hf_config.hidden_size), self.max_model_len)
+        total = len(prompt_token_ids) + (params.max_tokens if params.pooling is None else 0)
         if total > self.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
@@ -265,7 +271,9 @@ class EngineCore:
         if adapter is not None:
             self.lora.hold(adapter.name)  # read back into memory if evicted; the scheduler
             req.lora_name, req.lora_id = adapter.name, adapter.lora_id  # unholds at finish
-        if params.structured_outputs is not None:
+        if params.pooling is not None:
+            req.pooled = PoolState(params.pooling)
+        elif params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)
         if params.thinking_budget is not None:
             req.thinking = ThinkingState(params.thinking_budget, self.grammars.token_bytes,
@@ -319,6 +327,8 @@ class EngineCore:
                 drafts[item.request.request_id] = item.spec_token_ids
 
         updates = self._sample(step_logits, drafts) if step_logits.request_ids else []
+        if step_logits.pooled:
+            updates += self._pool(step_logits.pooled)
         if self.spec is not None:
             emitted = sum(len(u.new_token_ids) for u in updates)
             self.spec.gate.record(width, emitted, time.perf_counter() - start)
@@ -407,6 +417,21 @@ class EngineCore:
             ))
             if req.is_finished:
                 self._forget(req)
+        return updates
+
+    def _pool(self, pooled: dict[str, tuple[int, torch.Tensor]]) -> list[RequestUpdate]:
+        """Gather this step's rows of each pooling request; those whose prompt is done
+        finish with their vector (no token, blocks freed now)."""
+        updates = []
+        for rid, (start, rows) in pooled.items():
+            req = self.requests[rid]
+            req.pooled.add(start, rows)
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                self.scheduler.finish(req, "stop")
+                self._forget(req)
+                updates.append(RequestUpdate(rid, [], [], True, "stop", None,
+                                             req.num_cached_tokens or 0,
+                                             embedding=req.pooled.vector()))
         return updates
 
     def _take(self, req: Request, token: int, lp: dict[int, float] | None) -> str | None:

@@ -12,6 +12,7 @@ from met.engine.core import EngineCore
 from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.beam_search import beam_state, live_beam_requests, top_pairs
 from met.sampling.params import SamplingParams
+from met.sampling.pooling import PoolingParams
 
 Prompt = str | dict[str, Any]
 
@@ -165,6 +166,20 @@ class LLM:
                                        finished=True)
         return [outputs[i] for i in range(len(params_list))]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
+              normalize: bool = True, dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per prompt, in order: the prompt's final-norm hidden states pooled
+        (``"last"`` token or ``"mean"``), truncated to ``dimensions`` and L2-normalized
+        (``normalize``). The prompts run batched through the same engine as generation
+        (``generate`` takes such requests too: ``SamplingParams(pooling=PoolingParams())``
+        gives a RequestOutput whose ``embedding`` is set)."""
+        params = SamplingParams(pooling=PoolingParams(pooling, normalize, dimensions))
+        outputs = self.generate(prompts, params)
+        for out in outputs:
+            if out.embedding is None:
+                raise RuntimeError(f"embed: request failed: {out.outputs[0].error}")
+        return [out.embedding for out in outputs]
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -225,7 +240,7 @@ class LLM:
                                 if u.prompt_logprobs is not None), None)
         return RequestOutput(rid, text, prompt_ids, [completion], finished=True,
                              num_cached_tokens=last.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, embedding=last.embedding)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -10,6 +10,7 @@ from met.kernels import kv_cache
 from met.layers.batch import ForwardBatch, SeqSpan
 from met.models.base import CausalLM
 from met.runner.batch_plan import BatchPolicy, ScheduledRequest, SchedulerOutput
+from met.runner.pooling import pooling_rows
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class StepLogits:
     # Logit rows per request: 1, or 1 + its drafts when it verifies speculative tokens (row
     # j then predicts the token after draft j). Empty: one row each.
     num_rows: list[int] = field(default_factory=list)
+    # Pooling requests (embeddings): request id → (first position, float32 final-norm hidden
+    # rows this step computed that its pooling needs; `met.runner.pooling`).
+    pooled: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype,
@@ -70,11 +74,12 @@ class ModelRunner:
             if lora is not None:
                 lora.clear_rows()
         prompt_logits = self._prompt_logits(items, hidden)
+        pooled = pooling_rows(items, hidden)
         if not sample_rows:
-            return StepLogits([], torch.empty(0), prompt_logits)
+            return StepLogits([], torch.empty(0), prompt_logits, pooled=pooled)
         rows = torch.tensor(sample_rows, device=self.device)
         return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]), prompt_logits,
-                          num_rows)
+                          num_rows, pooled)
 
     def _prompt_logits(self, items: list[ScheduledRequest],
                        hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
@@ -118,7 +123,8 @@ class ModelRunner:
             bounds.append((q_start, start, end, len(table)))
             apart.append(bool(drafts))
             blocks.extend(table)
-            if end == req.num_tokens + len(drafts):  # caught up: the next token('s checks)
+            # Caught up: the next token('s checks); a pooling request samples none.
+            if end == req.num_tokens + len(drafts) and req.params.pooling is None:
                 first = q_start + n - 1 - len(drafts)
                 sample_rows.extend(range(first, q_start + n))
                 sample_ids.append(req.request_id)

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from met.sampling.pooling import PoolingParams
 from met.sampling.thinking import ThinkingBudget
 
 MAX_LOGPROBS = 20
@@ -189,6 +190,9 @@ class SamplingParams:
     speculative: bool = True
     # The LoRA adapter this request runs under (a name the engine has loaded); None: the base.
     lora: str | None = None
+    # Set: the request is an embedding (met.sampling.pooling): its prompt runs, no token is
+    # sampled, and it finishes with the pooled vector.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -53,6 +53,7 @@ class Request:
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY sequence breakers as token ids
     grammar: Any = None  # a GrammarState when params.structured_outputs is set
     thinking: Any = None  # a ThinkingState when params.thinking_budget is set
+    pooled: Any = None  # a PoolState (met.engine.pooling) when params.pooling is set
     # Draft tokens proposed for the next step (speculative decoding): verified after
     # all_token_ids, never part of them until the target accepts them.
     spec_token_ids: list[int] = field(default_factory=list)

@@ -84,8 +84,10 @@ class Scheduler:
                 continue
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys,
                                          req.num_prompt_tokens)
-            if req.params.prompt_logprobs is not None:
-                prefix = []  # every prompt position must run to give its logits (as vLLM)
+            if req.params.prompt_logprobs is not None or req.params.pooling is not None:
+                # Every prompt position must run to give its logits (as vLLM) or to be
+                # pooled (a mean needs each position's hidden state).
+                prefix = []
             start = len(prefix) * self.kv.block_size
             n = self._chunk_len(req, start, budget)
             if n == 0 or not self.kv.allocate(req.request_id, start + n, prefix):
