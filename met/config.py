@@ -27,6 +27,7 @@ QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
 # rows with a float32 scale each (met/kernels/kv_cache.py), "auto" the model's dtype except
 # int8 under an auto-chosen float32 + w4a8 (EngineCore decides).
 KV_CACHE_DTYPES = ("auto", "model", "bf16", "int8", "fp8")
+POOLING_TYPES = ("last", "mean")  # how an embedding pools its prompt (met.sampling.pooling)
 
 
 def resolve_device(name: str) -> str:
@@ -199,6 +200,10 @@ class EngineConfig:
     # that runs.
     max_cpu_loras: int | None = None
     lora_backend: str = "auto"
+    # Embeddings (/v1/embeddings, LLM.embed) when a request does not say: "last" token or
+    # "mean" over the prompt's final-norm hidden states, and whether to L2-normalize.
+    pooling: str = "last"
+    normalize_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if self.lora_modules:
@@ -213,6 +218,9 @@ class EngineConfig:
                              f"{self.max_cpu_loras}")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling: must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -110,6 +110,9 @@ class ModelInfo:
     quantization: str
     # The KV cache's element type: "int8" or the model's dtype (--kv-cache-dtype resolved)
     kv_cache_dtype: str = ""
+    hidden_size: int = 0  # an embedding's length (the most ``dimensions`` may ask for)
+    pooling: str = "last"  # embeddings' defaults (--pooling, --no-normalize-embeddings)
+    normalize_embeddings: bool = True
 
 
 class ServerContext:
@@ -144,6 +147,9 @@ class ServerContext:
             quantization=core.quantization or "none",
             kv_cache_dtype=("int8" if core.kv_cache_dtype == "int8"
                             else str(core.dtype).removeprefix("torch.")),
+            hidden_size=int(loaded.hf_config.hidden_size),
+            pooling=core.config.pooling,
+            normalize_embeddings=core.config.normalize_embeddings,
         )
 
     def require_model(self) -> ModelInfo:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from met.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, SpeculativeConfig
+from met.config import KV_CACHE_DTYPES, POOLING_TYPES, QUANTIZATION_CHOICES, SpeculativeConfig
 from met.kernels.registry import attention_backend_names, linear_method_names, lora_backend_names
 from met.loader.resolve import hf_cache_dirs
 
@@ -76,6 +76,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "batch-invariant) or torch (the reference); auto: the first that runs")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
+    p.add_argument("--pooling", default="last", choices=list(POOLING_TYPES),
+                   help="embeddings (/v1/embeddings): pool the prompt's final-norm hidden "
+                        "states by its last token (Qwen3-Embedding) or their mean; a request's "
+                        "`pooling` field overrides it")
+    p.add_argument("--no-normalize-embeddings", dest="normalize_embeddings",
+                   action="store_false", help="return embeddings without L2 normalization")
     p.add_argument("--cache-dir", default=None,
                    help=f"HF cache to search (else {', '.join(map(str, hf_cache_dirs(None)))})")
 
@@ -171,6 +177,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_backend=args.lora_backend,
+        pooling=args.pooling, normalize_embeddings=args.normalize_embeddings,
     )
 
 

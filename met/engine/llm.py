@@ -51,6 +51,8 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         lora_backend: str = "auto",
+        pooling: str = "last",
+        normalize_embeddings: bool = True,
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -61,7 +63,8 @@ class LLM:
             linear_backend=linear_backend, attention_backend=attention_backend,
             speculative_config=speculative_config, enable_lora=enable_lora,
             lora_modules=lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras, lora_backend=lora_backend,
+            max_cpu_loras=max_cpu_loras, lora_backend=lora_backend, pooling=pooling,
+            normalize_embeddings=normalize_embeddings,
         )
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer
@@ -166,14 +169,19 @@ class LLM:
                                        finished=True)
         return [outputs[i] for i in range(len(params_list))]
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
-              normalize: bool = True, dimensions: int | None = None) -> list[list[float]]:
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
+              normalize: bool | None = None,
+              dimensions: int | None = None) -> list[list[float]]:
         """One embedding per prompt, in order: the prompt's final-norm hidden states pooled
         (``"last"`` token or ``"mean"``), truncated to ``dimensions`` and L2-normalized
-        (``normalize``). The prompts run batched through the same engine as generation
-        (``generate`` takes such requests too: ``SamplingParams(pooling=PoolingParams())``
-        gives a RequestOutput whose ``embedding`` is set)."""
-        params = SamplingParams(pooling=PoolingParams(pooling, normalize, dimensions))
+        (``normalize``); None takes the LLM's ``pooling`` / ``normalize_embeddings``.
+        The prompts run batched through the same engine as generation (``generate`` takes
+        such requests too: ``SamplingParams(pooling=PoolingParams())`` gives a
+        RequestOutput whose ``embedding`` is set)."""
+        config = self.config
+        params = SamplingParams(pooling=PoolingParams(
+            pooling or config.pooling,
+            config.normalize_embeddings if normalize is None else normalize, dimensions))
         outputs = self.generate(prompts, params)
         for out in outputs:
             if out.embedding is None:

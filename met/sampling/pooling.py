@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TYPES = ("last", "mean")
+from met.config import POOLING_TYPES
 
 
 @dataclass(frozen=True)

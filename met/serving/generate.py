@@ -58,6 +58,7 @@ class ChoiceState:
     num_logprobs_sent: int = 0  # how many of ``logprobs`` a delta has carried
     # Per prompt token (None for the first) when prompt logprobs were asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # set when a pooling request finishes
 
     @property
     def finished(self) -> bool:
@@ -165,6 +166,8 @@ class Generation:
         c.num_tokens += len(u.new_token_ids)
         if u.prompt_logprobs is not None:
             c.prompt_logprobs = u.prompt_logprobs
+        if u.embedding is not None:
+            c.embedding = u.embedding
         if u.new_logprobs:
             c.logprobs.extend(zip(u.new_token_ids, u.new_logprobs, strict=True))
         check = c.num_tokens >= self.options.min_tokens

@@ -109,19 +109,20 @@ def render_chat(tokenizer: Any, template: str | None, messages: list[ChatMessage
     return Prompt(ids, text)
 
 
-def completion_prompts(tokenizer: Any, prompt: Any) -> list[Prompt]:
-    """The four OpenAI prompt forms → one Prompt each (a string or token list is one prompt)."""
+def completion_prompts(tokenizer: Any, prompt: Any, param: str = "prompt") -> list[Prompt]:
+    """The four OpenAI prompt forms → one Prompt each (a string or token list is one prompt).
+    ``param``: the field they came in (``input`` for embeddings)."""
     if isinstance(prompt, str):
-        return [_encode(tokenizer, prompt, "prompt")]
+        return [_encode(tokenizer, prompt, param)]
     if not isinstance(prompt, list) or not prompt:
-        raise InvalidRequest("prompt: must be a non-empty string or list", "prompt")
+        raise InvalidRequest(f"{param}: must be a non-empty string or list", param)
     if all(isinstance(p, int) for p in prompt):
         return [Prompt([int(t) for t in prompt], None)]
     if all(isinstance(p, str) for p in prompt):
-        return [_encode(tokenizer, p, f"prompt.{i}") for i, p in enumerate(prompt)]
+        return [_encode(tokenizer, p, f"{param}.{i}") for i, p in enumerate(prompt)]
     if all(isinstance(p, list) for p in prompt):
         return [Prompt([int(t) for t in p], None) for p in prompt]
-    raise InvalidRequest("prompt: do not mix strings and token ids in one list", "prompt")
+    raise InvalidRequest(f"{param}: do not mix strings and token ids in one list", param)
 
 
 def _encode(tokenizer: Any, text: str, param: str) -> Prompt:

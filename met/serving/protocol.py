@@ -169,6 +169,19 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None
 
 
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's fields, plus met's ``pooling`` and ``normalize``)."""
+
+    model: str | None = None
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    pooling: str | None = None  # "last" or "mean"; None: the server's --pooling
+    normalize: bool | None = None  # None: the server's (--no-normalize-embeddings)
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
@@ -190,8 +203,8 @@ _PROMPT_FORMS = ("a string, a list of strings, a list of token ids, or a list of
 _FIELD_NAMES = frozenset(
     name
     for m in (StreamOptions, ContentPart, ChatMessage, ChatCompletionRequest, CompletionRequest,
-              TokenizeRequest, DetokenizeRequest, RepetitionDetectionField, ResponseFormat,
-              JsonSchemaFormat, StructuredOutputsField, MessageToolCall,
+              EmbeddingRequest, TokenizeRequest, DetokenizeRequest, RepetitionDetectionField,
+              ResponseFormat, JsonSchemaFormat, StructuredOutputsField, MessageToolCall,
               MessageToolCallFunction, ToolDefinition, FunctionDefinition)
     for name in (*m.model_fields, *(f.alias for f in m.model_fields.values() if f.alias))
 )
@@ -211,8 +224,8 @@ def parse_body(model: type[BaseModel], body: Any,
         # Union members show up in loc ('prompt', 'str'); keep the user's field path only.
         path = [p for p in loc if p.isdigit() or p in field_names]
         param = ".".join(path) or None
-        if loc and loc[0] == "prompt":
-            raise InvalidRequest(f"prompt: must be {_PROMPT_FORMS}", "prompt") from None
+        if loc and loc[0] in ("prompt", "input"):
+            raise InvalidRequest(f"{loc[0]}: must be {_PROMPT_FORMS}", loc[0]) from None
         if err["type"] == "missing":
             raise InvalidRequest(f"{param}: field required", param) from None
         raise InvalidRequest(f"{param}: {err['msg']} (got {err.get('input')!r})"[:500],
