@@ -181,3 +181,34 @@ def _block_bytes(llm: LLM) -> int:
 
     e = llm.engine
     return kv_bytes_per_block(e.loaded.model, e.config.block_size, e.dtype, e.kv_cache_dtype)
+
+
+TEXTS = ("The keeper climbed the narrow stairs to light the lamp, and", "Once a year",
+         "the inspector came to check")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embed_matches_sentence_transformers(tiny_checkpoint, arch, pooling):
+    """SentenceTransformer built as Qwen3-Embedding's config builds it (Transformer +
+    Pooling + Normalize) encodes the same texts (padded as one batch) to met's vectors."""
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    model_dir = str(tiny_checkpoint(arch))
+    # Plain text in, the backbone's last_hidden_state out: without the pin, sentence-
+    # transformers renders a text through the model's chat template first.
+    backbone = Transformer(model_dir, model_kwargs={"dtype": torch.float32,
+                                                    "attn_implementation": "eager"},
+                           modality_config={"text": {"method": "forward",
+                                                     "method_output_name": "last_hidden_state"}},
+                           module_output_name="token_embeddings")
+    st = SentenceTransformer(modules=[
+        backbone, Pooling(64, "lasttoken" if pooling == "last" else "mean"), Normalize()],
+        device="cpu")
+    want = st.encode(list(TEXTS), convert_to_tensor=True, batch_size=len(TEXTS))
+    llm = _llm(model_dir)
+    got = torch.tensor(llm.embed(list(TEXTS), pooling=pooling))
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-5)
+    assert llm.kv_stats().num_blocks_in_use == 0

@@ -25,6 +25,7 @@ from met.serving.validation import OutputOptions, check_prompt_tokens
 router = APIRouter()
 
 ENCODING_FORMATS = ("float", "base64")
+MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 
 
 def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -59,6 +60,10 @@ async def embeddings(request: Request) -> Response:
         raise InvalidRequest(f"input.{i}: must not be an empty string", f"input.{i}")
     if req.input == "":
         raise InvalidRequest("input: must not be an empty string", "input")
+    if isinstance(req.input, list) and len(req.input) > MAX_INPUTS and not all(
+            isinstance(x, int) for x in req.input):
+        raise InvalidRequest(f"input: at most {MAX_INPUTS} inputs per request, got "
+                             f"{len(req.input)}", "input")
     prompts = completion_prompts(model.tokenizer, req.input, "input")
     single = len(prompts) == 1
     limit = model.limits.max_sequence_tokens
