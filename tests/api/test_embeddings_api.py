@@ -196,3 +196,19 @@ def test_embeddings_beside_streaming_generation(qwen3):
     _close(last.json()["data"][0]["embedding"], _hf(qwen3, ids))
     _close(mean.json()["data"][0]["embedding"], _hf(qwen3, ids, "mean"))
     assert left == (0, 0)
+
+
+def test_cli_flags_reach_the_engine_config():
+    import argparse
+
+    from met.cli.args import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    on = engine_config(p.parse_args(["m", "--device", "cpu", "--pooling", "mean",
+                                     "--no-normalize-embeddings"]))
+    assert (on.pooling, on.normalize_embeddings) == ("mean", False)
+    default = engine_config(p.parse_args(["m", "--device", "cpu"]))
+    assert (default.pooling, default.normalize_embeddings) == ("last", True)
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--pooling", "cls"])
