@@ -34,7 +34,8 @@ def _example_body(path: str) -> dict | None:
                              "messages": [{"role": "user", "content": "hi"}]},
             "/v1/messages/count_tokens": {"model": "tiny",
                                           "messages": [{"role": "user", "content": "hi"}]},
-            "/v1/responses": {"input": "hi", "max_output_tokens": 2}}.get(path)
+            "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+            "/v1/embeddings": {"input": "hi"}}.get(path)
 
 
 def _stored_response(url: str) -> str:
