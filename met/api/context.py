@@ -151,6 +151,10 @@ class ServerContext:
         if self.engine.state == EngineState.FAULTED:
             raise ApiError(503, f"the engine has faulted: {self.engine.fault_reason}", None,
                            "engine_faulted")
+        if self.engine.state == EngineState.SLEEPING:
+            raise ApiError(503, f"the engine is sleeping (level {self.engine.sleep_level}); "
+                           "POST /wake_up to serve again", None, "engine_sleeping",
+                           {"Retry-After": "5"})
         if self.model is None or self.engine.state != EngineState.READY:
             raise ApiError(503, "the model is still loading; retry shortly", None,
                            "model_loading", {"Retry-After": "5"})
@@ -200,6 +204,10 @@ class ServerContext:
             raise ApiError(503, f"the server is busy: {waiting} requests are already waiting "
                            f"(--max-queued-requests {limit}); retry later", None, "queue_full",
                            {"Retry-After": "1"})
+
+    def has_pending_requests(self) -> bool:
+        """Whether any request is in flight or admitted and about to be added."""
+        return bool(self.engine.num_in_flight or self._num_admitted_not_started())
 
     def live_generations(self) -> list[Generation]:
         """The requests admitted and not yet finished (read by the terminal dashboard)."""
