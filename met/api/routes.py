@@ -8,12 +8,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import met
-from met.api.context import read_json, server_context
+from met.api.context import parse_request, read_json, server_context
 from met.api.errors import ApiError
 from met.engine.async_engine import SLEEP_LEVELS, EngineBusy, EngineState
 from met.serving.errors import InvalidRequest
 from met.serving.prompts import render_chat
-from met.serving.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from met.serving.protocol import DetokenizeRequest, TokenizeRequest
 from met.serving.validation import check_prompt_tokens
 
 router = APIRouter()
@@ -55,7 +55,8 @@ async def tokenize(request: Request) -> dict:
     """A prompt (or chat messages, through the chat template) → token ids and their count."""
     ctx = server_context(request)
     model = ctx.require_model()
-    req = parse_body(TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
+    req = parse_request(
+        request, TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
     ctx.check_model(req)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("prompt: send exactly one of 'prompt' or 'messages'", "prompt")
@@ -75,7 +76,8 @@ async def tokenize(request: Request) -> dict:
 async def detokenize(request: Request) -> dict:
     ctx = server_context(request)
     model = ctx.require_model()
-    req = parse_body(DetokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
+    req = parse_request(
+        request, DetokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
     ctx.check_model(req)
     if model.tokenizer is None:
         raise InvalidRequest("tokens: this model has no tokenizer", "tokens")

@@ -228,6 +228,7 @@ class EngineCore:
         ValueError for input that can never be served."""
         adapter = None
         lora = lora if lora is not None else params.lora
+        cache_salt = cache_salt if cache_salt is not None else params.cache_salt
         if lora is not None:
             if self.lora is None:
                 raise ValueError(f"lora: adapter {lora!r} asked for, but LoRA is not enabled "

@@ -189,6 +189,9 @@ class SamplingParams:
     speculative: bool = True
     # The LoRA adapter this request runs under (a name the engine has loaded); None: the base.
     lora: str | None = None
+    # Mixed into the prefix-cache hashes of this request's blocks: requests with different
+    # salts never share KV (vLLM's cache_salt).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
