@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import met
 from met.api.anthropic import messages as anthropic_messages
 from met.api.auth import ApiKeyMiddleware
-from met.api.context import ServerConfig, ServerContext
+from met.api.context import IGNORED_FIELDS_HEADER, ServerConfig, ServerContext
 from met.api.errors import error_body, install_error_handlers
 from met.api.lora_routes import router as lora_router
 from met.api.openai import chat, completions, embeddings, models, responses
@@ -54,7 +54,8 @@ class RequestIdMiddleware:
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1").strip()
         rid = given[:128] if given else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
         started = False
 
         async def send_with_id(message: Message) -> None:
@@ -63,6 +64,10 @@ class RequestIdMiddleware:
                 started = True
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", rid.encode("latin-1")))
+                ignored = state.get("ignored_fields")
+                if ignored:  # the body's unknown fields (context.parse_request)
+                    names = ",".join(ignored)[:1024].encode("latin-1", "replace")
+                    headers.append((IGNORED_FIELDS_HEADER.encode(), names))
                 message = {**message, "headers": headers}
             await send(message)
 

@@ -23,6 +23,7 @@ from met.serving.beam import BeamGeneration
 from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceState, Generation
 from met.serving.prompts import Prompt
+from met.serving.protocol import ignored_fields, parse_body
 from met.serving.reasoning import REASONING_PARSER_CHOICES
 from met.serving.response_store import DEFAULT_STORE_MAX, DEFAULT_STORE_TTL_S, ResponseStore
 from met.serving.tool_parsers import TOOL_PARSER_CHOICES
@@ -157,6 +158,10 @@ class ServerContext:
         if self.engine.state == EngineState.FAULTED:
             raise ApiError(503, f"the engine has faulted: {self.engine.fault_reason}", None,
                            "engine_faulted")
+        if self.engine.state == EngineState.SLEEPING:
+            raise ApiError(503, f"the engine is sleeping (level {self.engine.sleep_level}); "
+                           "POST /wake_up to serve again", None, "engine_sleeping",
+                           {"Retry-After": "5"})
         if self.model is None or self.engine.state != EngineState.READY:
             raise ApiError(503, "the model is still loading; retry shortly", None,
                            "model_loading", {"Retry-After": "5"})
@@ -206,6 +211,10 @@ class ServerContext:
             raise ApiError(503, f"the server is busy: {waiting} requests are already waiting "
                            f"(--max-queued-requests {limit}); retry later", None, "queue_full",
                            {"Retry-After": "1"})
+
+    def has_pending_requests(self) -> bool:
+        """Whether any request is in flight or admitted and about to be added."""
+        return bool(self.engine.num_in_flight or self._num_admitted_not_started())
 
     def live_generations(self) -> list[Generation]:
         """The requests admitted and not yet finished (read by the terminal dashboard)."""
@@ -289,6 +298,23 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"request body: malformed JSON ({e})", None, "invalid_json") from None
+
+
+IGNORED_FIELDS_HEADER = "x-met-ignored-fields"
+
+
+def parse_request(request: Request, model: type, body: Any,
+                  field_names: frozenset[str] | None = None) -> Any:
+    """``parse_body`` (400s naming the field), and vLLM's rule for fields no model defines:
+    accepted, logged as a warning and named in the response's x-met-ignored-fields header."""
+    req = parse_body(model, body) if field_names is None else parse_body(model, body,
+                                                                          field_names)
+    ignored = sorted(ignored_fields(req, body))
+    if ignored:
+        log.warning("request %s: ignored unknown fields: %s", request_id(request),
+                    ", ".join(ignored))
+        request.scope.setdefault("state", {})["ignored_fields"] = ignored
+    return req
 
 
 class ClientDisconnected(Exception):

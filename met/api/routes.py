@@ -1,4 +1,5 @@
-"""Server routes beside the OpenAI ones: /health, /version, /metrics, /tokenize, /detokenize."""
+"""Server routes beside the OpenAI ones: /health, /version, /metrics, /tokenize, /detokenize,
+and vLLM's operator routes /sleep, /wake_up, /is_sleeping, /reset_prefix_cache."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import met
-from met.api.context import read_json, server_context
-from met.engine.async_engine import EngineState
+from met.api.context import parse_request, read_json, server_context
+from met.api.errors import ApiError
+from met.engine.async_engine import SLEEP_LEVELS, EngineBusy, EngineState
 from met.serving.errors import InvalidRequest
 from met.serving.prompts import render_chat
-from met.serving.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from met.serving.protocol import DetokenizeRequest, TokenizeRequest
 from met.serving.validation import check_prompt_tokens
 
 router = APIRouter()
@@ -19,11 +21,15 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when ready; 503 while loading, or when faulted (with the reason)."""
+    """200 when ready; 503 while loading, sleeping (POST /sleep), or when faulted (with the
+    reason). /health is readiness: a sleeping server serves no generation."""
     ctx = server_context(request)
     state = ctx.engine.state
     if state == EngineState.READY and ctx.model is not None:
         return JSONResponse({"status": "ok"})
+    if state == EngineState.SLEEPING:
+        return JSONResponse({"status": "sleeping", "level": ctx.engine.sleep_level},
+                            status_code=503)
     if state == EngineState.FAULTED:
         return JSONResponse({"status": "faulted", "reason": ctx.engine.fault_reason},
                             status_code=503)
@@ -49,7 +55,8 @@ async def tokenize(request: Request) -> dict:
     """A prompt (or chat messages, through the chat template) → token ids and their count."""
     ctx = server_context(request)
     model = ctx.require_model()
-    req = parse_body(TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
+    req = parse_request(
+        request, TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
     ctx.check_model(req)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("prompt: send exactly one of 'prompt' or 'messages'", "prompt")
@@ -69,10 +76,81 @@ async def tokenize(request: Request) -> dict:
 async def detokenize(request: Request) -> dict:
     ctx = server_context(request)
     model = ctx.require_model()
-    req = parse_body(DetokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
+    req = parse_request(
+        request, DetokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
     ctx.check_model(req)
     if model.tokenizer is None:
         raise InvalidRequest("tokens: this model has no tokenizer", "tokens")
     if req.tokens:
         check_prompt_tokens(req.tokens, model.limits, "tokens")
     return {"prompt": model.tokenizer.decode(req.tokens)}
+
+
+@router.post("/sleep")
+async def sleep(request: Request) -> dict:
+    """Free the KV pool (``level`` 1, the default) or the KV pool and the weights (level 2,
+    reloaded from the model's path by /wake_up); the process keeps its port. ``level`` as a
+    query parameter (vLLM's) or in a JSON body. 409 while requests are in flight."""
+    ctx = server_context(request)
+    level = await _sleep_level(request, ctx.config.max_body_bytes)
+    if ctx.engine.state != EngineState.SLEEPING:
+        ctx.require_model()
+    if ctx.has_pending_requests():
+        raise ApiError(409, "the server has requests in flight; sleep once they finish",
+                       None, "engine_busy")
+    try:
+        slept = await ctx.engine.sleep(level)
+    except EngineBusy as e:
+        raise ApiError(409, str(e), None, "engine_busy") from None
+    return {"status": "sleeping", "level": ctx.engine.sleep_level,
+            "already_sleeping": not slept}
+
+
+async def _sleep_level(request: Request, limit: int) -> int:
+    raw: object = request.query_params.get("level")
+    if raw is None and (await request.body()):
+        body = await read_json(request, limit)
+        if not isinstance(body, dict) or set(body) - {"level"}:
+            raise InvalidRequest("request body: only 'level' (1 or 2) may be sent", "level")
+        raw = body.get("level")
+    if raw is None:
+        return 1
+    try:
+        level = int(raw)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        level = -1
+    if level not in SLEEP_LEVELS or isinstance(raw, bool | float):
+        raise InvalidRequest(f"level: must be 1 (free the KV cache) or 2 (the weights too), "
+                             f"got {raw!r}", "level")
+    return level
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request) -> dict:
+    """Reallocate what /sleep freed; the server is ready again when this returns."""
+    ctx = server_context(request)
+    if ctx.engine.state != EngineState.SLEEPING:
+        ctx.require_model()
+    try:
+        woke = await ctx.engine.wake_up()
+    except Exception as e:
+        raise ApiError(500, f"wake up failed: {e}", None, "engine_error") from None
+    return {"status": "ok", "already_awake": not woke}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict:
+    ctx = server_context(request)
+    return {"is_sleeping": ctx.engine.state == EngineState.SLEEPING,
+            "level": ctx.engine.sleep_level}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    """Forget every cached KV block no request holds: the next identical prompt is computed
+    again (cached_tokens 0). Blocks running requests hold are left alone."""
+    ctx = server_context(request)
+    if ctx.engine.state != EngineState.SLEEPING:
+        ctx.require_model()
+    dropped = await ctx.engine.reset_prefix_cache()
+    return {"status": "ok", "blocks_reset": dropped}

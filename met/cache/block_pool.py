@@ -74,6 +74,16 @@ class BlockPool:
         self._by_hash.clear()
         self.block_hash = [None] * self.num_blocks
 
+    def drop_unreferenced_hashes(self) -> int:
+        """Forget the hash of every block in the free queue (blocks in use keep theirs);
+        how many were forgotten."""
+        dropped = 0
+        for block in self._free:
+            if self.block_hash[block] is not None:
+                self._evict(block)
+                dropped += 1
+        return dropped
+
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:

@@ -1,10 +1,16 @@
 """AsyncEngine: EngineCore in its own thread, an asyncio front that only posts messages.
 
 The engine thread is the single owner of the EngineCore. The asyncio side never touches it:
-it posts typed messages (``_Add``, ``_Abort``, ``_Shutdown``) into a thread-safe inbox and
+it posts typed messages (``_Add``, ``_Abort``, ``_Sleep``, ``_WakeUp``, ``_ResetPrefixCache``,
+``_Shutdown``) into a thread-safe inbox and
 reads each request's output from an ``OutputStream`` that the engine thread feeds through
 ``loop.call_soon_threadsafe``. Between two steps the thread drains the whole inbox, so an
 abort (a client that went away) takes effect before the next step and frees its KV blocks.
+
+Sleep: level 1 frees the KV pool (the weights stay loaded); level 2 also drops the whole
+core, weights included, and wake rebuilds it with ``core_factory`` (the weights are read
+again from the model's path). Sleep is refused (``EngineBusy``) while any request is in
+flight: nothing is drained or cut short.
 
 Faults: a request that fails to be added fails alone. A step that raises faults the engine
 (``state`` faulted, ``fault_reason`` set): every stream gets a ``RequestFailed`` and new
@@ -14,12 +20,16 @@ requests are refused, since a half-applied step leaves the core in no state to g
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import gc
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from met.cache.kv_manager import KVStats
 from met.engine.core import EngineCore, RequestUpdate
@@ -52,6 +62,29 @@ class _Abort:
 @dataclass(frozen=True)
 class _Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    level: int
+    reply: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _WakeUp:
+    reply: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    reply: concurrent.futures.Future
+
+
+class EngineBusy(Exception):
+    """The engine cannot do that now (sleep while requests run): the API's 409."""
+
+
+SLEEP_LEVELS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -106,6 +139,7 @@ class EngineState:
     READY = "ready"
     FAULTED = "faulted"
     STOPPED = "stopped"
+    SLEEPING = "sleeping"  # POST /sleep: KV (and at level 2 the weights) freed; /wake_up
 
 
 class AsyncEngine:
@@ -128,6 +162,7 @@ class AsyncEngine:
         self.core: EngineCore | None = None  # read-only from the loop: immutable config only
         self.stats = EngineStats(0, 0, 0, None)
         self.load_seconds: float | None = None
+        self.sleep_level: int | None = None  # while sleeping: 1 (KV freed) or 2 (weights too)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -151,12 +186,66 @@ class AsyncEngine:
                    else "the server is shutting down")
             stream.put(RequestFailed(request_id, why, False))
             return
+        if self.state == EngineState.SLEEPING:  # slept between the route's check and here
+            stream.put(RequestFailed(request_id, "the engine is sleeping (POST /wake_up)",
+                                     False))
+            return
         if self.state != EngineState.READY:
             raise RuntimeError(f"engine is {self.state}")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._streams[request_id] = stream
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params))
+
+    async def sleep(self, level: int = 1) -> bool:
+        """Free the KV pool (level 1) or the KV pool and the weights (level 2); False if it
+        already sleeps. Raises EngineBusy while requests are in flight (none is cut short),
+        RuntimeError when the engine is not ready."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"level: must be 1 or 2, got {level}")
+        if self.state == EngineState.SLEEPING:
+            return False
+        if self.state != EngineState.READY:
+            raise RuntimeError(f"the engine is {self.state}")
+        if self._streams:
+            raise EngineBusy(f"{len(self._streams)} requests are running; sleep once they "
+                             "finish")
+        # From here no request is added (they get a 503); one posted before this line is
+        # in the inbox ahead of _Sleep, so the engine thread sees it and refuses.
+        self.state = EngineState.SLEEPING
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Sleep(level, reply))
+        try:
+            await asyncio.wrap_future(reply)
+        except BaseException:
+            if self.state == EngineState.SLEEPING:
+                self.state = EngineState.READY
+            raise
+        self.sleep_level = level
+        return True
+
+    async def wake_up(self) -> bool:
+        """Reallocate what ``sleep`` freed (level 2: reload the weights); False if it was
+        awake. A reload that fails faults the engine (``fault_reason`` says why)."""
+        if self.state != EngineState.SLEEPING:
+            if self.state == EngineState.READY:
+                return False
+            raise RuntimeError(f"the engine is {self.state}")
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_WakeUp(reply))
+        await asyncio.wrap_future(reply)
+        self.sleep_level = None
+        self.state = EngineState.READY
+        return True
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (the engine thread does it between
+        two steps); how many blocks were forgotten."""
+        if self.state not in (EngineState.READY, EngineState.SLEEPING):
+            raise RuntimeError(f"the engine is {self.state}")
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_ResetPrefixCache(reply))
+        return await asyncio.wrap_future(reply)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its stream gets nothing more. Unknown or finished ids are ignored."""
@@ -235,11 +324,12 @@ class AsyncEngine:
             self._call_loop(self._set_ready)
             return
         self.core = core
+        del core  # level-2 sleep drops the core: no frame may keep it (and its weights)
         self.load_seconds = time.perf_counter() - start
         self.state = EngineState.READY
         self._call_loop(self._set_ready)
         try:
-            self._serve(core)
+            self._serve()
         except BaseException as e:  # the loop itself broke: fault every request
             log.exception("engine loop crashed")
             self.fault_reason = f"engine loop crashed: {e}"
@@ -254,30 +344,40 @@ class AsyncEngine:
         self._deliver([RequestFailed(rid, f"engine faulted: {self.fault_reason}", False)
                        for rid in list(self._streams)])
 
-    def _serve(self, core: EngineCore) -> None:
+    def _serve(self) -> None:
         stalled = False  # the last step produced nothing (a prefill chunk, or no room yet)
         while True:
-            if not core.has_unfinished():
+            core = self.core  # None while asleep at level 2
+            if core is None or not core.has_unfinished():
                 wait: float | None = None  # idle: sleep until a message comes
             else:
                 wait = _IDLE_POLL_S if stalled else 0.0
             failed: list[StreamItem] = []
             for msg in self._drain(wait):
                 if isinstance(msg, _Shutdown):
-                    for rid in list(core.requests):
-                        core.abort_request(rid)
-                    self._publish(core)
+                    if core is not None:
+                        for rid in list(core.requests):
+                            core.abort_request(rid)
+                        self._publish(core)
                     return
-                if isinstance(msg, _Add):
+                if isinstance(msg, _Sleep | _WakeUp | _ResetPrefixCache):
+                    self._control(msg)
+                    core = self.core
+                elif core is None:  # asleep: the loop refuses adds, so only a stray abort
+                    if isinstance(msg, _Add):
+                        failed.append(RequestFailed(msg.request_id, "the engine is sleeping "
+                                                    "(POST /wake_up)", False))
+                elif isinstance(msg, _Add):
                     failure = self._add(core, msg)
                     if failure is not None:
                         failed.append(failure)
                 else:
                     core.abort_request(msg.request_id)
             # Publish before posting, so a client that sees its response sees fresh stats.
-            self._publish(core)
+            if core is not None:
+                self._publish(core)
             self._post(failed)
-            if not core.has_unfinished():
+            if core is None or not core.has_unfinished():
                 continue
             # A request that fails on its own comes back as an update with ``error``: its
             # constraints left no token (a grammar that its allowed_token_ids, bad_words or
@@ -292,6 +392,58 @@ class AsyncEngine:
             self._publish(core)
             self._post(updates)
             stalled = not updates
+
+    def _control(self, msg: _Sleep | _WakeUp | _ResetPrefixCache) -> None:
+        """Sleep, wake or reset the prefix cache, between two steps; the answer (or the
+        error) goes to ``msg.reply``. A failed reload faults the engine."""
+        try:
+            result = self._apply_control(msg)
+        except BaseException as e:
+            msg.reply.set_exception(e)
+            return
+        msg.reply.set_result(result)
+
+    def _apply_control(self, msg: _Sleep | _WakeUp | _ResetPrefixCache) -> object:
+        core = self.core
+        if isinstance(msg, _ResetPrefixCache):
+            if core is None:
+                return 0  # asleep at level 2: there is no cache to reset
+            dropped = core.drop_cached_prefixes()
+            self._publish(core)
+            return dropped
+        if isinstance(msg, _Sleep):
+            if core is None:
+                return None
+            if core.requests:
+                raise EngineBusy(f"{len(core.requests)} requests are running; sleep once "
+                                 "they finish")
+            core.free_kv_cache()
+            self._publish(core)
+            if msg.level == 2:
+                self.core = None
+                del core
+                # The server froze what loading left (gc.freeze): collect it, cycles too.
+                gc.unfreeze()
+                gc.collect()
+                _empty_device_cache()
+            log.info("engine asleep (level %d)", msg.level)
+            return None
+        if core is None:  # level 2: build the core again, weights read from the model path
+            start = time.perf_counter()
+            try:
+                core = self._core_factory()
+            except BaseException as e:
+                log.exception("reloading the model on wake failed")
+                self.fault_reason = f"model reload on wake failed: {e}"
+                self.state = EngineState.FAULTED
+                raise
+            self.core = core
+            log.info("engine awake: model reloaded in %.1fs", time.perf_counter() - start)
+        else:
+            core.allocate_kv_cache()
+            log.info("engine awake: KV pool reallocated")
+        self._publish(core)
+        return None
 
     @staticmethod
     def _add(core: EngineCore, msg: _Add) -> RequestFailed | None:
@@ -342,3 +494,9 @@ class AsyncEngine:
                                  core.kv_pool_bytes, core.kv_pool_tokens,
                                  core.kv_stored,
                                  core.spec.stats() if core.spec is not None else None)
+
+
+def _empty_device_cache() -> None:
+    """Hand freed GPU memory back to the driver (a no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

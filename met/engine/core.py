@@ -231,6 +231,7 @@ class EngineCore:
         ValueError for input that can never be served."""
         adapter = None
         lora = lora if lora is not None else params.lora
+        cache_salt = cache_salt if cache_salt is not None else params.cache_salt
         if lora is not None:
             if self.lora is None:
                 raise ValueError(f"lora: adapter {lora!r} asked for, but LoRA is not enabled "
@@ -503,4 +504,31 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()
+
+    def drop_cached_prefixes(self) -> int:
+        """Forget the hash of every cached block no request holds (``POST
+        /reset_prefix_cache``): the next identical prompt computes from scratch. Blocks that
+        running requests hold keep their hash and contents. How many were forgotten."""
+        return self.kv.pool.drop_unreferenced_hashes()
+
+    def _runners(self) -> list[ModelRunner]:
+        drafter = getattr(self.spec, "proposer", None) if self.spec is not None else None
+        extra = [drafter.runner] if isinstance(drafter, ModelDrafter) else []
+        return [self.runner, *extra]
+
+    def free_kv_cache(self) -> None:
+        """Sleep: drop the KV tensors (the target's and a model drafter's) and, since their
+        contents go with them, the prefix index. Only with no request in the core."""
+        if self.requests:
+            raise RuntimeError(f"{len(self.requests)} requests still hold KV blocks")
+        self.kv.pool.reset_prefix_cache()
+        for runner in self._runners():
+            runner.free_kv()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed pool back to the driver
+
+    def allocate_kv_cache(self) -> None:
+        """Wake from ``free_kv_cache``: the KV tensors again, zeroed, of the same size."""
+        for runner in self._runners():
+            runner.allocate_kv()
 

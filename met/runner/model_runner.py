@@ -51,13 +51,24 @@ class ModelRunner:
         # The engine's LoRA slots (met.lora.slots.LoRAManager), set after construction;
         # None: no adapters.
         self.lora = None
-        layers, kv_heads, head_dim = model.kv_layout
+        self._kv_shape = (num_blocks, dtype, kv_cache_dtype)
+        self.kv_caches: list[kv_cache.KVCache] = []
+        self.allocate_kv()
+
+    def allocate_kv(self) -> None:
+        """(Re)allocate the KV tensors, zeroed (at build, and on waking from sleep)."""
+        num_blocks, dtype, kv_cache_dtype = self._kv_shape
+        layers, kv_heads, head_dim = self.model.kv_layout
         # Head-major, slot-flat: one index_select per request gathers its context per head.
         self.kv_caches = [
-            kv_cache.allocate(kv_heads, num_blocks * block_size, head_dim, dtype, device,
-                              kv_cache_dtype, backend=attention_backend)
+            kv_cache.allocate(kv_heads, num_blocks * self.block_size, head_dim, dtype,
+                              self.device, kv_cache_dtype, backend=self.attention_backend)
             for _ in range(layers)
         ]
+
+    def free_kv(self) -> None:
+        """Drop the KV tensors (sleep): nothing may run until ``allocate_kv``."""
+        self.kv_caches = []
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:

@@ -193,6 +193,9 @@ class SamplingParams:
     # Set: the request is an embedding (met.sampling.pooling): its prompt runs, no token is
     # sampled, and it finishes with the pooled vector.
     pooling: PoolingParams | None = None
+    # Mixed into the prefix-cache hashes of this request's blocks: requests with different
+    # salts never share KV (vLLM's cache_salt).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -28,6 +28,8 @@ from met.serving.protocol import (
     MessageToolCall,
     MessageToolCallFunction,
     ResponseFormat,
+    Unsupported,
+    refuse_unsupported,
 )
 
 
@@ -49,6 +51,8 @@ class ContentBlock(_Body):
     is_error: bool | None = None  # tool_result
     thinking: str | None = None  # thinking
     signature: str | None = None  # thinking
+    # A prompt-caching breakpoint: met's prefix cache keeps every prompt prefix already.
+    cache_control: dict[str, Any] | None = None
 
 
 class InputMessage(_Body):
@@ -63,6 +67,7 @@ class Tool(_Body):
     description: str | None = None
     input_schema: dict[str, Any]
     type: str | None = None  # "custom" or absent; server tools are not served
+    cache_control: dict[str, Any] | None = None  # as on ContentBlock: cached anyway
 
 
 class ToolChoice(_Body):
@@ -89,7 +94,7 @@ class OutputConfig(_Body):
     """Structured output: ``{"format": {"type": "json_schema", "schema": {...}}}``."""
 
     format: OutputFormat | None = None
-    effort: str | None = None  # accepted; thinking is asked for with ``thinking``
+    effort: str | None = None  # the thinking budget's share when thinking is on
 
 
 class CountTokensRequest(_Body):
@@ -116,6 +121,22 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     speculative: bool = True  # false: this request never speculates (met's own field)
     adapter: str | None = None  # a LoRA adapter by name (or `model` naming one)
+    # Anthropic fields met has no machinery for (_UNSUPPORTED: a 400 unless the no-op value)
+    service_tier: Any = None
+    container: Any = None
+    mcp_servers: Any = None
+    context_management: Any = None
+
+
+_UNSUPPORTED: Unsupported = {
+    "service_tier": ((None, "auto", "standard_only"), "there is one service tier"),
+    "container": ((None,), "code-execution containers are not served"),
+    "mcp_servers": ((None, []), "MCP servers are not called by this server"),
+    "context_management": ((None,), "context editing is not served"),
+}
+# Anthropic's effort → the chat request's reasoning_effort (low / medium / high of the
+# thinking budget, --max-thinking-budget).
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
 
 
 FIELD_NAMES = model_field_names(ContentBlock, InputMessage, Tool, ToolChoice, ThinkingConfig,
@@ -151,6 +172,19 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(_tool_choice(req.tool_choice, bool(req.tools)))
     fields.update(_thinking(req))
     if isinstance(req, MessagesRequest):
+        refuse_unsupported(req, _UNSUPPORTED)
+        effort = req.output_config.effort if req.output_config else None
+        if effort is not None:
+            if effort not in _EFFORTS:
+                raise InvalidRequest(f"output_config.effort: must be one of "
+                                     f"{', '.join(_EFFORTS)}, got {effort!r}",
+                                     "output_config.effort")
+            if not fields.get("enable_thinking"):
+                raise InvalidRequest("output_config.effort: this server spends effort on "
+                                     "thinking only; send thinking {type: adaptive} or "
+                                     "{type: enabled}", "output_config.effort")
+            if "thinking_token_budget" not in fields:
+                fields["reasoning_effort"] = _EFFORTS[effort]
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       stream=req.stream, speculative=req.speculative,

@@ -129,3 +129,43 @@ def _encode(tokenizer: Any, text: str, param: str) -> Prompt:
     if tokenizer is None:
         raise InvalidRequest(f"{param}: this model has no tokenizer; send token ids", param)
     return Prompt(list(tokenizer(text)["input_ids"]), text)
+
+
+# Fill-in-the-middle tokens (prefix, suffix, middle), as the model families spell them:
+# Qwen2.5-Coder / DeepSeek-style <|fim_*|>, StarCoder <fim_*>, SantaCoder <fim-*>.
+FIM_SPELLINGS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+)
+
+
+def fim_tokens(tokenizer: Any) -> tuple[int, int, int] | None:
+    """The tokenizer's (prefix, suffix, middle) FIM token ids, or None when it has none."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    for spelling in FIM_SPELLINGS:
+        ids = [vocab.get(t) for t in spelling]
+        if all(i is not None for i in ids):
+            return ids[0], ids[1], ids[2]  # type: ignore[return-value]
+    return None
+
+
+def fim_prompts(tokenizer: Any, prompts: list[Prompt], suffix: str) -> list[Prompt]:
+    """``suffix`` (completions): each prompt becomes prefix-suffix-middle (PSM) order,
+    ``<fim_prefix>{prompt}<fim_suffix>{suffix}<fim_middle>``, and the model writes the middle.
+    A 400 naming ``suffix`` when the model's tokenizer has no FIM tokens."""
+    ids = fim_tokens(tokenizer)
+    if ids is None:
+        raise InvalidRequest("suffix: this model's tokenizer has no fill-in-the-middle tokens "
+                             f"({', '.join(s[0] for s in FIM_SPELLINGS)} and their suffix / "
+                             "middle partners); send the prompt alone", "suffix")
+    pre, suf, mid = ids
+    tail = list(tokenizer.encode(suffix, add_special_tokens=False))
+    out = []
+    for p in prompts:
+        body = (list(tokenizer.encode(p.text, add_special_tokens=False))
+                if p.text is not None else p.token_ids)
+        out.append(Prompt([pre, *body, suf, *tail, mid], p.text))
+    return out

@@ -1,6 +1,9 @@
-"""Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as
-OpenAI does; value ranges are checked in ``met.serving.validation`` so that every message
-names the field and the allowed range."""
+"""Request bodies of the OpenAI-compatible API (pydantic). Every field OpenAI defines is
+here: it works, or ``met.serving.validation`` refuses it with a 400 naming it. Fields no
+model defines are accepted and reported (vLLM's rule: ``ignored_fields`` finds them, the
+server logs a warning and names them in the ``x-met-ignored-fields`` header). Value ranges
+are checked in ``met.serving.validation`` so that every message names the field and the
+allowed range."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk
 
 
 class ContentPart(_Body):
@@ -134,14 +138,24 @@ class SamplingFields(_Body):
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
-    user: str | None = None  # accepted, unused
+    user: str | None = None  # a label for the caller's own records: logged, no effect
     speculative: bool = True  # false: this request never speculates (met's own field)
     # A LoRA adapter by name (the reference's field; `model` naming an adapter does the same)
     adapter: str | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix KV
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        """A usage chunk at the end of the stream (continuous_usage_stats implies it)."""
+        return bool(self.stream and self.stream_options
+                    and (self.stream_options.include_usage
+                         or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far on every chunk of the stream."""
+        return bool(self.stream and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -159,6 +173,22 @@ class ChatCompletionRequest(SamplingFields):
     max_thinking_tokens: int | None = None  # alias of thinking_token_budget
     thinking_budget: int | None = None  # alias of thinking_token_budget
     reasoning_effort: str | None = None  # low / medium / high of --max-thinking-budget
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the rendered prompt's tokens
+    # OpenAI fields met has no machinery for: a 400 naming them when set to anything but
+    # their no-op value (met.serving.validation.check_unsupported)
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    service_tier: Any = None
+    store: Any = None
+    # Labels for the caller's own records (no behaviour to implement): accepted
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None  # met's prefix cache needs no routing key
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -167,6 +197,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    suffix: str | None = None  # fill-in-the-middle, where the tokenizer has FIM tokens
+    best_of: int | None = None  # best_of candidates, the n with the highest logprob sum
 
 
 class EmbeddingRequest(_Body):
@@ -208,6 +240,42 @@ _FIELD_NAMES = frozenset(
               MessageToolCallFunction, ToolDefinition, FunctionDefinition)
     for name in (*m.model_fields, *(f.alias for f in m.model_fields.values() if f.alias))
 )
+
+
+# A field an API defines that met has no machinery for: the values that ask for nothing
+# (accepted), and why any other value is refused.
+Unsupported = dict[str, tuple[tuple[object, ...], str]]
+
+
+def refuse_unsupported(req: BaseModel, table: Unsupported, prefix: str = "") -> None:
+    """A 400 naming the first field of ``table`` set to a value that asks for something."""
+    for name, (accepted, why) in table.items():
+        value = getattr(req, name, None)
+        if not any(value == ok and type(value) is type(ok) for ok in accepted):
+            raise InvalidRequest(f"{prefix}{name}: not supported by this server ({why}), got "
+                                 f"{value!r}"[:300], f"{prefix}{name}")
+
+
+def ignored_fields(obj: Any, raw: Any, prefix: str = "") -> list[str]:
+    """The keys of ``raw`` (the decoded JSON body) that no field of ``obj`` (its validated
+    model) took, nested ones as dotted paths (``messages.0.foo``)."""
+    out: list[str] = []
+    if isinstance(obj, BaseModel) and isinstance(raw, dict):
+        known: dict[str, str] = {}
+        for name, f in type(obj).model_fields.items():
+            known[name] = name
+            if f.alias:
+                known[f.alias] = name
+        for key, value in raw.items():
+            name = known.get(key)
+            if name is None:
+                out.append(f"{prefix}{key}")
+            else:
+                out += ignored_fields(getattr(obj, name), value, f"{prefix}{key}.")
+    elif isinstance(obj, list) and isinstance(raw, list):
+        for i, (o, r) in enumerate(zip(obj, raw, strict=False)):
+            out += ignored_fields(o, r, f"{prefix}{i}.")
+    return out
 
 
 def parse_body(model: type[BaseModel], body: Any,

@@ -24,6 +24,8 @@ from met.serving.protocol import (
     MessageToolCall,
     MessageToolCallFunction,
     ResponseFormat,
+    Unsupported,
+    refuse_unsupported,
 )
 
 
@@ -73,7 +75,7 @@ class TextConfig(_Body):
 
 class ReasoningConfig(_Body):
     effort: str | None = None
-    summary: str | None = None  # accepted; reasoning comes back whole, not summarised
+    summary: str | None = None  # auto (the reasoning whole) only
 
 
 class ResponsesRequest(_Body):
@@ -94,9 +96,37 @@ class ResponsesRequest(_Body):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None  # accepted, unused
+    user: str | None = None  # a label for the caller's own records: no effect
     speculative: bool = True  # false: this request never speculates (met's own field)
     adapter: str | None = None  # a LoRA adapter by name (or `model` naming one)
+    prompt_cache_key: str | None = None  # a label: met's prefix cache needs no routing key
+    safety_identifier: str | None = None  # a label
+    # OpenAI fields met has no machinery for (_UNSUPPORTED: a 400 unless the no-op value)
+    background: Any = None
+    include: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    service_tier: Any = None
+    top_logprobs: Any = None
+    truncation: Any = None
+    conversation: Any = None
+    stream_options: Any = None
+
+
+_UNSUPPORTED: Unsupported = {
+    "background": ((None, False), "background responses are not served"),
+    "include": ((None, []), "no extra output items are served"),
+    "max_tool_calls": ((None,), "built-in tools are not served"),
+    "prompt": ((None,), "stored prompt templates are not served"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "top_logprobs": ((None, 0), "logprobs are served by /v1/chat/completions"),
+    "truncation": ((None, "disabled"), "the context is never truncated"),
+    "conversation": ((None,), "conversations are chained with previous_response_id"),
+    "stream_options": ((None,), "stream options are not served here"),
+}
+_UNSUPPORTED_REASONING: Unsupported = {
+    "summary": ((None, "auto"), "reasoning comes back whole, not summarised"),
+}
 
 
 FIELD_NAMES = model_field_names(InputContent, InputItem, FunctionTool, TextFormat, TextConfig,
@@ -202,6 +232,9 @@ def item_messages(items: list[dict[str, Any]]) -> list[ChatMessage]:
 
 def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request serving ``req`` over the conversation ``items``."""
+    refuse_unsupported(req, _UNSUPPORTED)
+    if req.reasoning is not None:
+        refuse_unsupported(req.reasoning, _UNSUPPORTED_REASONING, "reasoning.")
     messages = item_messages(items)
     if req.instructions:
         messages.insert(0, ChatMessage(role="system", content=req.instructions))

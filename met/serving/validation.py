@@ -15,7 +15,13 @@ from met.sampling.params import (
     SamplingParams,
 )
 from met.serving.errors import InvalidRequest, from_value_error
-from met.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from met.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    Unsupported,
+    refuse_unsupported,
+)
 
 MAX_N = 128
 MAX_BEAMS = 16
@@ -137,6 +143,58 @@ def check_ranges(req: SamplingFields, max_tokens: int | None,
     requested_logprobs(req)
     requested_prompt_logprobs(req)
     repetition_detection(req)
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options: only allowed with stream: true",
+                             "stream_options")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise InvalidRequest("cache_salt: must be a non-empty string", "cache_salt")
+    check_unsupported(req)
+    if isinstance(req, CompletionRequest):
+        check_best_of(req)
+
+
+# OpenAI chat fields met cannot honour, with the values that ask for nothing (accepted).
+_UNSUPPORTED_CHAT: Unsupported = {
+    "audio": ((None,), "audio output is not served"),
+    "modalities": ((None, ["text"]), "only [\"text\"] is served"),
+    "prediction": ((None,), "predicted outputs are not served"),
+    "functions": ((None, []), "the deprecated functions API is not served; send tools"),
+    "function_call": ((None,), "the deprecated functions API is not served; send "
+                               "tool_choice"),
+    "web_search_options": ((None,), "web search is not served"),
+    "verbosity": ((None,), "verbosity control is not served"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "store": ((None, False), "chat completions are not stored (see /v1/responses)"),
+}
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    """OpenAI fields with no machinery behind them: a 400 naming the field unless it has
+    the value that asks for nothing."""
+    if isinstance(req, ChatCompletionRequest):
+        refuse_unsupported(req, _UNSUPPORTED_CHAT)
+
+
+def check_best_of(req: CompletionRequest) -> None:
+    """``best_of`` (vLLM's and legacy OpenAI's): best_of candidates run, the n with the
+    highest cumulative logprob come back; at least n, and not with stream or beams."""
+    if req.best_of is None or req.best_of == req.n:
+        return
+    _in_range("best_of", req.best_of, 1, MAX_N)
+    if req.best_of < req.n:
+        raise InvalidRequest(f"best_of: must be >= n ({req.n}), got {req.best_of}", "best_of")
+    if req.stream:
+        raise InvalidRequest("best_of: cannot be combined with stream (the best candidates "
+                             "are known only at the end); send stream: false", "best_of")
+    if req.num_beams > 1:
+        raise InvalidRequest("best_of: not available with beam search (num_beams > 1)",
+                             "best_of")
+
+
+def num_candidates(req: SamplingFields) -> int:
+    """How many choices run per prompt: best_of (completions) or n."""
+    best_of = getattr(req, "best_of", None)
+    return max(req.n, best_of or 0)
 
 
 def repetition_detection(req: SamplingFields) -> RepetitionDetection | None:
@@ -169,9 +227,19 @@ def requested_logprobs(req: SamplingFields) -> int | None:
 
 
 def requested_prompt_logprobs(req: SamplingFields) -> int | None:
-    """How many top logprobs per prompt token (None: none). Completions only: the explicit
-    ``prompt_logprobs`` (vLLM's field), and ``echo`` with ``logprobs`` (the echoed prompt's
-    tokens carry logprobs too, as in vLLM; not when streaming)."""
+    """How many top logprobs per prompt token (None: none): the explicit
+    ``prompt_logprobs`` (vLLM's field, chat and completions), and for completions ``echo``
+    with ``logprobs`` (the echoed prompt's tokens carry logprobs too, as in vLLM; not when
+    streaming)."""
+    if isinstance(req, ChatCompletionRequest) and req.prompt_logprobs is not None:
+        _in_range("prompt_logprobs", req.prompt_logprobs, 0, MAX_LOGPROBS)
+        if req.stream:
+            raise InvalidRequest("prompt_logprobs: not supported with stream",
+                                 "prompt_logprobs")
+        if req.num_beams > 1:
+            raise InvalidRequest("prompt_logprobs: not available with beam search "
+                                 "(num_beams > 1)", "prompt_logprobs")
+        return req.prompt_logprobs
     if not isinstance(req, CompletionRequest):
         return None
     if req.prompt_logprobs is not None:
@@ -298,6 +366,7 @@ def build_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
             early_stopping=req.early_stopping,
             speculative=req.speculative,
             lora=getattr(req, "adapter", None),
+            cache_salt=req.cache_salt,
         )
     except ValueError as e:
         raise from_value_error(e) from None
@@ -346,6 +415,10 @@ def check_request_limits(req: SamplingFields, max_tokens: int | None, lim: Reque
     if req.n > lim.max_n:
         raise InvalidRequest(f"n: must be <= {lim.max_n} on this server (--max-n), got {req.n}",
                              "n")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of > lim.max_n:
+        raise InvalidRequest(f"best_of: must be <= {lim.max_n} on this server (--max-n), got "
+                             f"{best_of}", "best_of")
     if lim.max_tokens is not None and max_tokens is not None and max_tokens > lim.max_tokens:
         raise InvalidRequest(f"{max_tokens_param}: must be <= {lim.max_tokens} on this server "
                              f"(--max-tokens-limit), got {max_tokens}", max_tokens_param)

@@ -51,7 +51,7 @@ def test_every_route_but_health_and_metrics_needs_the_key(keyed_server):
     routes = [(method.upper(), path) for path, ops in spec["paths"].items() for method in ops]
     paths = {p for _, p in routes}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
-            "/detokenize"} <= paths
+            "/detokenize", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache"} <= paths
     for method, path in routes + [("GET", "/openapi.json"), ("GET", "/v1/nope")]:
         concrete = path.replace("{model}", "tiny").replace("{model_id}", "tiny")
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -77,7 +77,12 @@ def test_every_route_but_health_and_metrics_needs_the_key(keyed_server):
         if path.endswith("_lora_adapter"):  # past the key; off without --allow-runtime-lora
             assert r.status_code == 403 and "--allow-runtime-lora" in r.text, r.text[:300]
             continue
+        if path in ("/sleep", "/wake_up"):
+            continue  # below, in order: a sleeping server would answer the others 503
         assert r.status_code == 200, (method, path, r.text[:300])
+    for path in ("/sleep", "/wake_up"):
+        r = httpx.post(url + path, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, (path, r.text[:300])
 
 
 def test_keys_are_compared_in_constant_time(monkeypatch):

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from met.api.anthropic.errors import error_body, error_response
 from met.api.anthropic.routing import AnthropicRoute
-from met.api.context import read_json, server_context
+from met.api.context import parse_request, read_json, server_context
 from met.api.openai.chat import feed_choice, render_chat_request, start_chat
 from met.api.openai.common import respond, stream_events
 from met.api.sse import SSEResponse, sse_event
@@ -27,7 +27,6 @@ from met.serving.anthropic_protocol import (
 from met.serving.errors import InvalidRequest
 from met.serving.field_names import renamed
 from met.serving.generate import ChoiceDelta, Generation
-from met.serving.protocol import parse_body
 from met.serving.validation import check_request_limits
 
 router = APIRouter(route_class=AnthropicRoute)
@@ -42,8 +41,9 @@ def _body_schema(name: str) -> dict[str, Any]:
 async def create_message(request: Request) -> Response:
     ctx = server_context(request)
     ctx.require_model()
-    req = parse_body(MessagesRequest, await read_json(request, ctx.config.max_body_bytes),
-                     FIELD_NAMES)
+    req = parse_request(
+        request, MessagesRequest, await read_json(request, ctx.config.max_body_bytes),
+        FIELD_NAMES)
     try:
         run = await start_chat(ctx, request, to_chat_request(req))
     except InvalidRequest as e:
@@ -83,8 +83,9 @@ async def count_tokens(request: Request) -> JSONResponse:
     included."""
     ctx = server_context(request)
     model = ctx.require_model()
-    req = parse_body(CountTokensRequest, await read_json(request, ctx.config.max_body_bytes),
-                     FIELD_NAMES)
+    req = parse_request(
+        request, CountTokensRequest, await read_json(request, ctx.config.max_body_bytes),
+        FIELD_NAMES)
     ctx.check_model(req)
     try:
         chat_req = to_chat_request(req)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from met.api.context import ModelInfo, ServerContext, read_json, server_context
+from met.api.context import ModelInfo, ServerContext, parse_request, read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
-from met.api.openai.logprobs import chat_logprobs
+from met.api.openai.logprobs import chat_logprobs, prompt_logprobs
 from met.api.openai.structured import compile_spec, with_structured_outputs
 from met.api.sse import SSEResponse
 from met.sampling.params import SamplingParams, StructuredOutputs
@@ -19,7 +19,7 @@ from met.serving.chat_output import ChatDelta, ChoiceOutput
 from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceDelta, Generation
 from met.serving.prompts import Prompt, render_chat
-from met.serving.protocol import ChatCompletionRequest, parse_body
+from met.serving.protocol import ChatCompletionRequest
 from met.serving.reasoning import ThinkParser, get_reasoning_parser
 from met.serving.thinking_request import with_thinking_budget
 from met.serving.tool_grammar import request_tool_grammar
@@ -43,7 +43,8 @@ router = APIRouter()
 async def chat_completions(request: Request) -> Response:
     ctx = server_context(request)
     model = ctx.require_model()
-    req = parse_body(ChatCompletionRequest, await read_json(request, ctx.config.max_body_bytes))
+    req = parse_request(
+        request, ChatCompletionRequest, await read_json(request, ctx.config.max_body_bytes))
     run = await start_chat(ctx, request, req)
     gen, outputs, top = run.gen, run.outputs, run.top_logprobs
 
@@ -55,13 +56,13 @@ async def chat_completions(request: Request) -> Response:
     created = now()
     if req.stream:
         return SSEResponse(_stream(gen, cid, created, name, req.include_usage, logprobs,
-                                   outputs))
+                                   outputs, req.continuous_usage))
 
     def on_delta(d: ChoiceDelta) -> None:
         feed_choice(outputs[d.index], d, gen)
 
     def body(texts: list[str]) -> dict:
-        return {
+        out = {
             "id": cid, "object": "chat.completion", "created": created, "model": name,
             "choices": [{
                 "index": c.index,
@@ -73,6 +74,12 @@ async def chat_completions(request: Request) -> Response:
             "usage": _usage(gen, outputs),
             "system_fingerprint": None,
         }
+        if req.prompt_logprobs is not None:  # vLLM's place: the response's top level
+            first = gen.choices[0]
+            out["prompt_logprobs"] = None if first.prompt_logprobs is None else (
+                prompt_logprobs(model.tokenizer, gen.prompts[0].token_ids,
+                                first.prompt_logprobs, req.prompt_logprobs))
+        return out
 
     return await respond(request, gen, None, body, on_delta)
 
@@ -179,11 +186,14 @@ def _usage(gen: Generation, outputs: list[ChoiceOutput]) -> dict:
 
 
 def _stream(gen: Generation, cid: str, created: int, name: str, include_usage: bool,
-            logprobs: Callable[[list], dict | None], outputs: list[ChoiceOutput]):
+            logprobs: Callable[[list], dict | None], outputs: list[ChoiceOutput],
+            continuous_usage: bool = False):
     def chunk(choices: list[dict]) -> dict:
         out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
                "system_fingerprint": None, "choices": choices}
-        if include_usage:
+        if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+            out["usage"] = _usage(gen, outputs)
+        elif include_usage:
             out["usage"] = None
         return out
 

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from met.api.context import read_json, server_context
+from met.api.context import parse_request, read_json, server_context
 from met.api.openai.common import now, respond, stream_events, usage
 from met.api.openai.logprobs import completion_logprobs, prompt_logprobs
 from met.api.openai.structured import with_structured_outputs
 from met.api.sse import SSEResponse
+from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceDelta, ChoiceState, Generation
-from met.serving.prompts import completion_prompts
-from met.serving.protocol import CompletionRequest, parse_body
+from met.serving.prompts import completion_prompts, fim_prompts
+from met.serving.protocol import CompletionRequest
 from met.serving.validation import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     build_params,
     check_prompt_tokens,
     check_ranges,
+    num_candidates,
     output_options,
+    requested_logprobs,
 )
 
 router = APIRouter()
@@ -33,10 +37,16 @@ router = APIRouter()
 async def completions(request: Request) -> Response:
     ctx = server_context(request)
     model = ctx.require_model()
-    req = parse_body(CompletionRequest, await read_json(request, ctx.config.max_body_bytes))
+    req = parse_request(request, CompletionRequest,
+                        await read_json(request, ctx.config.max_body_bytes))
     ctx.check_model(req)
     check_ranges(req, req.max_tokens)
     prompts = completion_prompts(model.tokenizer, req.prompt)
+    if req.suffix is not None:
+        if req.echo:
+            raise InvalidRequest("suffix: cannot be combined with echo (the prompt the model "
+                                 "sees is the fill-in-the-middle one)", "suffix")
+        prompts = fim_prompts(model.tokenizer, prompts, req.suffix)
     single = len(prompts) == 1
     params = []
     for i, p in enumerate(prompts):
@@ -46,8 +56,12 @@ async def completions(request: Request) -> Response:
                                    COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt",
                                    tokenizer=model.tokenizer))
     params = await with_structured_outputs(ctx, req, params)
+    top = requested_logprobs(req)  # what the client sees; best_of ranks by logprobs too
+    candidates = num_candidates(req)
+    if candidates > req.n:
+        params = [dataclasses.replace(p, logprobs=p.logprobs or 0) for p in params]
     ctx.check_queue()
-    gen = ctx.new_generation(request, "completion", prompts, params, req.n,
+    gen = ctx.new_generation(request, "completion", prompts, params, candidates,
                              output_options(req))
     prefixes = None
     if req.echo:
@@ -55,7 +69,6 @@ async def completions(request: Request) -> Response:
                  else model.tokenizer.decode(p.token_ids) if model.tokenizer is not None else ""
                  for p in prompts]
         prefixes = [texts[c.prompt_index] for c in gen.choices]
-    top = params[0].logprobs
 
     def logprobs(entries, offset: int = 0) -> dict | None:
         return None if top is None else completion_logprobs(model.tokenizer, entries, top,
@@ -66,7 +79,7 @@ async def completions(request: Request) -> Response:
     created = now()
     if req.stream:
         return SSEResponse(_stream(gen, cid, created, name, prefixes, req.include_usage,
-                                   logprobs))
+                                   logprobs, req.continuous_usage))
 
     def choice_logprobs(c: ChoiceState) -> dict | None:
         out = logprobs(c.logprobs, len(prefixes[c.index]) if prefixes else 0)
@@ -78,8 +91,8 @@ async def completions(request: Request) -> Response:
                                                              strict=True)), top or 0)
         return {key: head[key] + out[key] for key in out}
 
-    def choice(c: ChoiceState, text: str) -> dict:
-        out = {"text": text, "index": c.index, "logprobs": choice_logprobs(c),
+    def choice(c: ChoiceState, text: str, index: int) -> dict:
+        out = {"text": text, "index": index, "logprobs": choice_logprobs(c),
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if req.prompt_logprobs is not None:
             out["prompt_logprobs"] = None if c.prompt_logprobs is None else prompt_logprobs(
@@ -90,7 +103,8 @@ async def completions(request: Request) -> Response:
     def body(texts: list[str]) -> dict:
         return {
             "id": cid, "object": "text_completion", "created": created, "model": name,
-            "choices": [choice(c, texts[c.index]) for c in gen.choices],
+            "choices": [choice(c, texts[c.index], i)
+                        for i, c in enumerate(best_choices(gen.choices, req.n, candidates))],
             "usage": usage(gen),
             "system_fingerprint": None,
         }
@@ -98,12 +112,28 @@ async def completions(request: Request) -> Response:
     return await respond(request, gen, prefixes, body)
 
 
+def best_choices(choices: list[ChoiceState], n: int, candidates: int) -> list[ChoiceState]:
+    """Per prompt, the ``n`` of its ``candidates`` with the highest cumulative logprob
+    (best_of, as vLLM ranks them), best first; every choice when there are no extra."""
+    if candidates == n:
+        return choices
+    out: list[ChoiceState] = []
+    for start in range(0, len(choices), candidates):
+        group = choices[start:start + candidates]
+        group.sort(key=lambda c: -sum(entry[t] for t, entry in c.logprobs))
+        out += group[:n]
+    return out
+
+
 def _stream(gen: Generation, cid: str, created: int, name: str, prefixes: list[str] | None,
-            include_usage: bool, logprobs: Callable[..., dict | None]):
+            include_usage: bool, logprobs: Callable[..., dict | None],
+            continuous_usage: bool = False):
     def chunk(choices: list[dict]) -> dict:
         out = {"id": cid, "object": "text_completion", "created": created, "model": name,
                "system_fingerprint": None, "choices": choices}
-        if include_usage:
+        if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+            out["usage"] = usage(gen)
+        elif include_usage:
             out["usage"] = None
         return out
 

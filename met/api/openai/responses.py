@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from met.api.context import ServerContext, read_json, server_context
+from met.api.context import ServerContext, parse_request, read_json, server_context
 from met.api.errors import ApiError
 from met.api.openai.chat import feed_choice, start_chat
 from met.api.openai.common import now, respond, stream_events
@@ -22,7 +22,6 @@ from met.serving.chat_output import ChoiceOutput
 from met.serving.errors import InvalidRequest
 from met.serving.field_names import renamed
 from met.serving.generate import ChoiceDelta, Generation
-from met.serving.protocol import parse_body
 from met.serving.responses_output import ResponseBuilder
 from met.serving.responses_protocol import (
     FIELD_NAMES,
@@ -42,8 +41,9 @@ router = APIRouter()
 async def create_response(request: Request) -> Response:
     ctx = server_context(request)
     ctx.require_model()
-    req = parse_body(ResponsesRequest, await read_json(request, ctx.config.max_body_bytes),
-                     FIELD_NAMES)
+    req = parse_request(
+        request, ResponsesRequest, await read_json(request, ctx.config.max_body_bytes),
+        FIELD_NAMES)
     items = _conversation(ctx, req)
     try:
         run = await start_chat(ctx, request, to_chat_request(req, items))
