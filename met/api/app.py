@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -66,7 +67,9 @@ class RequestIdMiddleware:
                 headers.append((b"x-request-id", rid.encode("latin-1")))
                 ignored = state.get("ignored_fields")
                 if ignored:  # the body's unknown fields (context.parse_request)
-                    names = ",".join(ignored)[:1024].encode("latin-1", "replace")
+                    # Percent-encoded: a field name may hold CR, NUL or commas, which
+                    # must not reach (or split) a header value.
+                    names = ",".join(quote(n, safe="._-") for n in ignored)[:1024].encode()
                     headers.append((IGNORED_FIELDS_HEADER.encode(), names))
                 message = {**message, "headers": headers}
             await send(message)

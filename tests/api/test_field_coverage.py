@@ -40,6 +40,9 @@ def test_unknown_fields_are_accepted_logged_and_named_in_a_header(ckpt, caplog):
         assert r.headers["x-met-ignored-fields"] == "foo,messages.0.bar"
         r = await client.post("/v1/chat/completions", json=CHAT)
         assert "x-met-ignored-fields" not in r.headers
+        # Names that could break or split the header arrive percent-encoded.
+        r = await client.post("/v1/chat/completions", json={**CHAT, "a\r\nb,c": 1, "\u0000": 2})
+        assert r.status_code == 200 and r.headers["x-met-ignored-fields"] == "%00,a%0D%0Ab%2Cc"
         r = await client.post("/v1/completions", json={
             "model": "tiny", "prompt": "hi", "max_tokens": 2,
             "stream_options": None, "frobnicate": True})
