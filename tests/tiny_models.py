@@ -158,8 +158,9 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
 # tokenizer
 
 
-def build_tokenizer(vocab_size: int, add_bos: bool):
-    """A byte-level BPE trained on TRAINING_TEXT, with exactly ``vocab_size`` tokens."""
+def build_tokenizer(vocab_size: int, add_bos: bool, extra_text: str = ""):
+    """A byte-level BPE trained on TRAINING_TEXT (+ ``extra_text``), with exactly
+    ``vocab_size`` tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -173,7 +174,7 @@ def build_tokenizer(vocab_size: int, add_bos: bool):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([TRAINING_TEXT], trainer=trainer)
+    tok.train_from_iterator([TRAINING_TEXT + extra_text], trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(
             f"BPE training produced {tok.get_vocab_size()} tokens, wanted {vocab_size}; "
@@ -367,13 +368,14 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
 
 
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0,
-                          head_dim: int = HEAD_DIM) -> Path:
+                          head_dim: int = HEAD_DIM, tokenizer_text: str = "") -> Path:
     """Write a tiny random ``arch`` checkpoint with its tokenizer into ``out_dir``; return it.
 
     Deterministic for a given (arch, seed, head_dim). The near-tie-free margins recorded in
     OBSERVED were checked for seed=0 and the default head_dim only; test_hf_reference_is_decisive
     re-checks the built ones. Another ``head_dim`` (the attention heads' width; the hidden
     size stays 64) is for kernels that need wider heads (prompt attention: a multiple of 32).
+    ``tokenizer_text`` is trained on beside TRAINING_TEXT (e.g. to make words single tokens).
     """
     from transformers import GenerationConfig
 
@@ -384,7 +386,7 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0,
     spec = SPECS[arch]
     vocab_size = VOCAB[arch]
 
-    tokenizer = build_tokenizer(vocab_size, add_bos=arch in ADDS_BOS)
+    tokenizer = build_tokenizer(vocab_size, add_bos=arch in ADDS_BOS, extra_text=tokenizer_text)
     bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)

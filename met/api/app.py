@@ -21,7 +21,7 @@ from met.api.auth import ApiKeyMiddleware
 from met.api.context import IGNORED_FIELDS_HEADER, ServerConfig, ServerContext
 from met.api.errors import error_body, install_error_handlers
 from met.api.lora_routes import router as lora_router
-from met.api.openai import chat, completions, embeddings, models, responses
+from met.api.openai import chat, completions, embeddings, models, responses, scores
 from met.api.routes import router as server_router
 from met.api.webui import WebChatMiddleware
 from met.engine.async_engine import AsyncEngine, EngineState
@@ -31,14 +31,16 @@ from met.serving.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from met.serving.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("met.api")
 
-_BODY_MODELS = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest,
-                DetokenizeRequest,
+_BODY_MODELS = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
+                ScoreRequest, TokenizeRequest, DetokenizeRequest,
                 MessagesRequest, CountTokensRequest, ResponsesRequest)
 
 
@@ -110,8 +112,9 @@ def build_app(config: ServerConfig, engine: AsyncEngine,
                   docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for router in (chat.router, completions.router, embeddings.router, models.router,
-                   responses.router, anthropic_messages.router, lora_router, server_router):
+    for router in (chat.router, completions.router, embeddings.router, scores.router,
+                   models.router, responses.router, anthropic_messages.router, lora_router,
+                   server_router):
         app.include_router(router)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
     app.add_middleware(WebChatMiddleware)  # outside the key check: the page at / loads keyless

@@ -19,6 +19,7 @@ from met.api.metrics import ServerMetrics
 from met.api.ratelimit import RateLimiter
 from met.engine.async_engine import AsyncEngine, EngineState
 from met.sampling.params import SamplingParams
+from met.sampling.scoring import SCORE_MODES, resolve_score_mode
 from met.serving.beam import BeamGeneration
 from met.serving.errors import InvalidRequest
 from met.serving.generate import ChoiceState, Generation
@@ -57,6 +58,7 @@ class ServerConfig:
     responses_store_max: int = DEFAULT_STORE_MAX  # --responses-store-max (stored responses)
     responses_store_ttl: float = DEFAULT_STORE_TTL_S  # --responses-store-ttl (seconds)
     allow_runtime_lora: bool = False  # --allow-runtime-lora: /v1/load_lora_adapter and unload
+    score_mode: str = "auto"  # --score-mode: /v1/rerank and /v1/score (met.sampling.scoring)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_PARSER_CHOICES:
@@ -66,6 +68,9 @@ class ServerConfig:
             raise ValueError(f"--reasoning-parser: must be one of "
                              f"{', '.join(REASONING_PARSER_CHOICES)}, got "
                              f"{self.reasoning_parser!r}")
+        if self.score_mode not in SCORE_MODES:
+            raise ValueError(f"--score-mode: must be one of {', '.join(SCORE_MODES)}, got "
+                             f"{self.score_mode!r}")
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError("--served-model-name: needs at least one non-empty name")
         if not 0 <= self.port <= 65535:
@@ -114,6 +119,10 @@ class ModelInfo:
     hidden_size: int = 0  # an embedding's length (the most ``dimensions`` may ask for)
     pooling: str = "last"  # embeddings' defaults (--pooling, --no-normalize-embeddings)
     normalize_embeddings: bool = True
+    # /v1/rerank and /v1/score: "yesno" (with the (no, yes) token ids) or "cosine"
+    # ("unavailable: why" when --score-mode cannot serve this model)
+    score_mode: str = "cosine"
+    score_token_ids: tuple[int, int] | None = None
 
 
 class ServerContext:
@@ -137,6 +146,11 @@ class ServerContext:
         core = self.engine.core
         assert core is not None
         loaded = core.loaded
+        try:
+            score_mode, score_ids = resolve_score_mode(self.config.score_mode, loaded.tokenizer)
+        except ValueError as e:  # --score-mode yesno on the wrong tokenizer: the routes say so
+            log.error("%s", e)
+            score_mode, score_ids = f"unavailable: {e}", None
         self.model = ModelInfo(
             tokenizer=loaded.tokenizer,
             chat_template=self.config.chat_template or loaded.chat_template,
@@ -151,6 +165,8 @@ class ServerContext:
             hidden_size=int(loaded.hf_config.hidden_size),
             pooling=core.config.pooling,
             normalize_embeddings=core.config.normalize_embeddings,
+            score_mode=score_mode,
+            score_token_ids=score_ids,
         )
 
     def require_model(self) -> ModelInfo:

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         responses_store_max=args.responses_store_max,
         responses_store_ttl=args.responses_store_ttl,
         allow_runtime_lora=args.allow_runtime_lora,
+        score_mode=args.score_mode,
     )
     return serve(engine_config, config, attach=_face(args))
 
@@ -97,6 +98,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="cap on thinking tokens for every request of a <think> model (also the "
                         "scale of reasoning_effort low/medium/high = 1/4, 1/2, all; default "
                         "16384 for reasoning_effort, no cap otherwise)")
+    p.add_argument("--score-mode", choices=("auto", "yesno", "cosine"), default="auto",
+                   help="/v1/rerank and /v1/score: yesno = P('yes') of a Qwen3-Reranker-style "
+                        "prompt, cosine = cosine of last-token embeddings; auto = yesno when "
+                        "the tokenizer has single-token 'yes' and 'no', else cosine")
     p.add_argument("--responses-store-max", type=int, default=1000,
                    help="most /v1/responses results kept for GET and previous_response_id "
                         "(oldest dropped first; 0 = store none)")

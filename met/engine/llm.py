@@ -13,6 +13,7 @@ from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.beam_search import beam_state, live_beam_requests, top_pairs
 from met.sampling.params import SamplingParams
 from met.sampling.pooling import PoolingParams
+from met.sampling.scoring import cosine, rerank_token_ids, resolve_score_mode
 
 Prompt = str | dict[str, Any]
 
@@ -187,6 +188,31 @@ class LLM:
             if out.embedding is None:
                 raise RuntimeError(f"embed: request failed: {out.outputs[0].error}")
         return [out.embedding for out in outputs]
+
+    def score(self, query: str, documents: str | Sequence[str], mode: str = "auto",
+              instruction: str | None = None) -> list[float]:
+        """One relevance score per document, in order (met.sampling.scoring): with ``mode``
+        "yesno" (a Qwen3-Reranker-style model) P("yes") for the pair in the reranker prompt,
+        with "cosine" the cosine similarity of the two last-token embeddings; "auto" is
+        yesno when the tokenizer has single-token "yes" and "no", else cosine.
+        ``instruction`` replaces the reranker prompt's default one (yesno only)."""
+        docs = [documents] if isinstance(documents, str) else list(documents)
+        if not docs:
+            raise ValueError("documents: must not be empty")
+        if self.tokenizer is None:
+            raise ValueError("score: this model has no tokenizer")
+        used, ids = resolve_score_mode(mode, self.tokenizer)
+        if used == "cosine":
+            q, *d = self.embed([query, *docs], pooling="last", normalize=True)
+            return [cosine(q, v) for v in d]
+        params = SamplingParams(pooling=PoolingParams(kind="score", token_ids=ids))
+        prompts = [{"prompt_token_ids": rerank_token_ids(self.tokenizer, query, doc,
+                                                         instruction)} for doc in docs]
+        outputs = self.generate(prompts, params)
+        for out in outputs:
+            if out.embedding is None:
+                raise RuntimeError(f"score: request failed: {out.outputs[0].error}")
+        return [out.embedding[1] for out in outputs]
 
     def chat(
         self,

@@ -1,5 +1,7 @@
 """Pooling (embedding) requests in the engine: their hidden rows are gathered as prefill
-chunks run, and once the prompt is done the pooled vector finishes the request.
+chunks run, and once the prompt is done the pooled vector finishes the request. A score
+request (kind "score") gathers its last position's logits of the chosen tokens instead, and
+finishes with their softmax.
 
 Rows of positions already gathered (a chunk recomputed after a preemption) are skipped, as
 prompt logprobs skip theirs, so a mean never counts a position twice.
@@ -43,6 +45,8 @@ class PoolState:
         if self.total is None:
             raise RuntimeError("pooling: the request finished before any row was pooled")
         p = self.params
+        if p.kind == "score":
+            return torch.softmax(self.total.double(), dim=0).tolist()
         v = self.total / self.count if p.pooling == "mean" else self.total
         if p.dimensions is not None:
             v = v[:p.dimensions]

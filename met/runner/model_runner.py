@@ -85,7 +85,7 @@ class ModelRunner:
             if lora is not None:
                 lora.clear_rows()
         prompt_logits = self._prompt_logits(items, hidden)
-        pooled = pooling_rows(items, hidden)
+        pooled = pooling_rows(items, hidden, self.model.compute_logits)
         if not sample_rows:
             return StepLogits([], torch.empty(0), prompt_logits, pooled=pooled)
         rows = torch.tensor(sample_rows, device=self.device)

@@ -280,7 +280,8 @@ class SamplingParams:
     def max_token_id(self) -> int:
         """The largest token id any parameter names (-1 when none): checked against the vocab."""
         ids = [*self.stop_token_ids, *(t for t, _ in self.logit_bias or ()),
-               *(t for w in self.bad_words for t in w), *(self.allowed_token_ids or ())]
+               *(t for w in self.bad_words for t in w), *(self.allowed_token_ids or ()),
+               *(self.pooling.token_ids or () if self.pooling is not None else ())]
         return max(ids, default=-1)
 
 

@@ -214,6 +214,31 @@ class EmbeddingRequest(_Body):
     normalize: bool | None = None  # None: the server's (--no-normalize-embeddings)
 
 
+class RerankDocument(_Body):
+    text: str
+
+
+class RerankRequest(_Body):
+    """POST /v1/rerank (Cohere/Jina's fields as vLLM takes them, plus met's
+    ``instruction`` for the yes/no reranker prompt)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = None
+    return_documents: bool = True
+    instruction: str | None = None
+
+
+class ScoreRequest(_Body):
+    """POST /v1/score (vLLM's): text_1 against text_2, 1-to-N or N-to-N."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    instruction: str | None = None
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
@@ -235,7 +260,8 @@ _PROMPT_FORMS = ("a string, a list of strings, a list of token ids, or a list of
 _FIELD_NAMES = frozenset(
     name
     for m in (StreamOptions, ContentPart, ChatMessage, ChatCompletionRequest, CompletionRequest,
-              EmbeddingRequest, TokenizeRequest, DetokenizeRequest, RepetitionDetectionField,
+              EmbeddingRequest, RerankDocument, RerankRequest, ScoreRequest, TokenizeRequest,
+              DetokenizeRequest, RepetitionDetectionField,
               ResponseFormat, JsonSchemaFormat, StructuredOutputsField, MessageToolCall,
               MessageToolCallFunction, ToolDefinition, FunctionDefinition)
     for name in (*m.model_fields, *(f.alias for f in m.model_fields.values() if f.alias))

@@ -35,7 +35,11 @@ def _example_body(path: str) -> dict | None:
             "/v1/messages/count_tokens": {"model": "tiny",
                                           "messages": [{"role": "user", "content": "hi"}]},
             "/v1/responses": {"input": "hi", "max_output_tokens": 2},
-            "/v1/embeddings": {"input": "hi"}}.get(path)
+            "/v1/embeddings": {"input": "hi"},
+            **dict.fromkeys(("/v1/rerank", "/rerank", "/v2/rerank"),
+                            {"query": "hi", "documents": ["ho"]}),
+            **dict.fromkeys(("/v1/score", "/score"), {"text_1": "hi", "text_2": "ho"}),
+            }.get(path)
 
 
 def _stored_response(url: str) -> str:
