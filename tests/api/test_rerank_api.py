@@ -276,3 +276,22 @@ def test_score_mode_rule():
         resolve_score_mode("yesno", split)
     with pytest.raises(ValueError, match="--score-mode"):
         ServerConfig(served_model_names=("m",), score_mode="dot")
+
+
+def test_cli_flag_reaches_the_server_config(reranker, monkeypatch):
+    import argparse
+
+    import met.api.server
+    from met.cli import serve as cli_serve
+
+    seen = []
+    monkeypatch.setattr(met.api.server, "serve",
+                        lambda engine, config, attach=None: seen.append(config) or 0)
+    p = argparse.ArgumentParser()
+    cli_serve.add_parser(p.add_subparsers())
+    for extra, want in (([], "auto"), (["--score-mode", "cosine"], "cosine")):
+        args = p.parse_args(["serve", reranker, "--device", "cpu", "--no-tui", *extra])
+        args.func(args)
+        assert seen[-1].score_mode == want
+    with pytest.raises(SystemExit):
+        p.parse_args(["serve", reranker, "--score-mode", "dot"])
