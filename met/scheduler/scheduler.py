@@ -84,9 +84,12 @@ class Scheduler:
                 continue
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_extra_keys,
                                          req.num_prompt_tokens)
-            if req.params.prompt_logprobs is not None or req.params.pooling is not None:
+            pooling = req.params.pooling
+            if req.params.prompt_logprobs is not None or (pooling is not None
+                                                          and pooling.pooling == "mean"):
                 # Every prompt position must run to give its logits (as vLLM) or to be
-                # pooled (a mean needs each position's hidden state).
+                # pooled (a mean needs each position's hidden state); last-token pooling
+                # and scores read only the last position, which a hit never covers.
                 prefix = []
             start = len(prefix) * self.kv.block_size
             n = self._chunk_len(req, start, budget)

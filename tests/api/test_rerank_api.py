@@ -254,6 +254,44 @@ def test_offline_llm_score(reranker, hf):
         _close(got, float(embedding(QUERY) @ embedding(doc)))
     with pytest.raises(ValueError, match="documents"):
         llm.score(QUERY, [])
+    assert llm.kv_stats().num_blocks_in_use == 0
+
+
+def test_score_requests_reuse_the_cached_prompt_prefix(reranker, hf):
+    """Pairs share the reranker prompt's head: a score reads only the last position, so a
+    prefix-cache hit (which never covers the last token) leaves the score unchanged."""
+    from met import LLM, PoolingParams, SamplingParams
+    from met.sampling.scoring import rerank_token_ids
+
+    yes_prob, _ = hf
+    llm = LLM(reranker, dtype="float32", max_model_len=512)
+    no, yes = llm.tokenizer.convert_tokens_to_ids("no"), llm.tokenizer.convert_tokens_to_ids(
+        "yes")
+    params = SamplingParams(pooling=PoolingParams(kind="score", token_ids=(no, yes)))
+    prompts = [{"prompt_token_ids": rerank_token_ids(llm.tokenizer, QUERY, d)} for d in DOCS]
+    cold = llm.generate(prompts, params)
+    warm = llm.generate(prompts, params)
+    assert all(o.num_cached_tokens > 0 for o in warm)
+    for c, w, doc in zip(cold, warm, DOCS, strict=True):
+        assert c.outputs[0].token_ids == [] and len(c.embedding) == 2
+        _close(c.embedding[1], yes_prob(QUERY, doc)[0])
+        _close(w.embedding[1], yes_prob(QUERY, doc)[0])
+    assert llm.kv_stats().num_blocks_in_use == 0
+
+
+def test_score_pooling_params_are_checked():
+    from met import PoolingParams
+
+    with pytest.raises(ValueError, match="token_ids"):
+        PoolingParams(kind="score")
+    with pytest.raises(ValueError, match="token_ids"):
+        PoolingParams(kind="score", token_ids=(-1, 3))
+    with pytest.raises(ValueError, match="token_ids"):
+        PoolingParams(token_ids=(1, 2))
+    with pytest.raises(ValueError, match="pooling"):
+        PoolingParams("mean", kind="score", token_ids=(1, 2))
+    with pytest.raises(ValueError, match="kind"):
+        PoolingParams(kind="classify")
 
 
 def test_score_mode_rule():
