@@ -146,11 +146,15 @@ def test_cosine_mode_matches_transformers(reranker, hf, tiny_checkpoint):
         score = await client.post("/v1/score", json={"text_1": QUERY, "text_2": DOCS})
         nn = await client.post("/v1/score", json={"text_1": DOCS[:2], "text_2": DOCS[1:]})
         rerank = await client.post("/v1/rerank", json={"query": QUERY, "documents": DOCS})
-        return score, nn, rerank, await settled(client)
+        instructed = await client.post("/v1/score", json={"text_1": "a", "text_2": "b",
+                                                          "instruction": "x"})
+        return score, nn, rerank, instructed, await settled(client)
 
-    score, nn, rerank, left = run_with_app(reranker, None, work,
-                                           server_fields={"score_mode": "cosine"}, **ENGINE)
+    score, nn, rerank, instructed, left = run_with_app(
+        reranker, None, work, server_fields={"score_mode": "cosine"}, **ENGINE)
     assert left == (0, 0)
+    assert instructed.status_code == 400  # no prompt to put it in: refused, not ignored
+    assert instructed.json()["error"]["param"] == "instruction"
     for d, w in zip(score.json()["data"], want, strict=True):
         _close(d["score"], w)
     for d, a, b in zip(nn.json()["data"], DOCS[:2], DOCS[1:], strict=True):

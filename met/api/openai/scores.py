@@ -68,6 +68,9 @@ async def _score_pairs(request: Request, kind: str, firsts: list[str], seconds: 
     model = ctx.require_model()
     if model.score_mode.startswith("unavailable"):
         raise InvalidRequest(f"model: scoring {model.score_mode}", "model")
+    if instruction is not None and model.score_mode != "yesno":
+        raise InvalidRequest(f"instruction: only --score-mode yesno has a prompt to put it in "
+                             f"(this server scores by {model.score_mode})", "instruction")
     tok = model.tokenizer
     if tok is None:
         raise InvalidRequest("model: this model has no tokenizer to score texts with", "model")
