@@ -24,7 +24,7 @@ ENGINE = {"max_model_len": 512}
 def _prompt(query: str, doc: str,
             instruction: str = "Given a web search query, retrieve relevant passages that "
                                "answer the query") -> str:
-    """Qwen3-Reanker's model-card format, written out here independently of met."""
+    """Qwen3-Reranker's model-card format, written out here independently of met."""
     return ("<|im_start|>system\nJudge whether the Document meets the requirements based on "
             "the Query and the Instruct provided. Note that the answer can only be \"yes\" or "
             "\"no\".<|im_end|>\n<|im_start|>user\n"
