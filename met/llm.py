@@ -12,7 +12,6 @@ from met.config import EngineConfig, SpeculativeConfig
 from met.engine.core import EngineCore
 from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.beam_search import beam_state, live_beam_requests, top_pairs
-from met.sampling.grammar import GrammarError
 from met.sampling.params import SamplingParams, StructuredOutputs
 from met.sampling.pooling import PoolingParams
 from met.serving.chat_request import ChatPrompt, render_chat_prompt, tool_grammar, with_spec
@@ -322,11 +321,9 @@ class LLM:
 
     def _compile(self, spec: StructuredOutputs, field: str) -> None:
         """Compile a grammar up front, as the server does before admitting a request: a bad
-        spec is a ValueError naming ``field`` (the server's 400)."""
-        try:
-            self.engine.grammars.compile(spec, field)
-        except GrammarError as e:
-            raise ValueError(f"{field}: {e}") from None
+        spec raises GrammarError (a ValueError) naming ``field``, the server's 400, before
+        any request is queued."""
+        self.engine.grammars.compile(spec, field)
 
     def kv_stats(self) -> KVStats:
         """Blocks total / held by live requests / holding cached prefixes / free."""
