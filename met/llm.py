@@ -129,9 +129,10 @@ class LLM:
             if any(name is not None for name in loras):
                 raise ValueError("lora: beam search under an adapter is not supported")
             return self._generate_with_beams(prompts, params_list)
-        runs = [self._start(prompt, params, name)
-                for prompt, params, name in zip(prompts, params_list, loras, strict=True)]
+        runs: list[_Run] = []
         try:
+            for prompt, params, name in zip(prompts, params_list, loras, strict=True):
+                runs.append(self._start(prompt, params, name))
             self._run_choices(runs)
         except BaseException:
             for run in runs:

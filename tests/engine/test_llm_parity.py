@@ -162,3 +162,11 @@ def test_bad_tools_name_the_field_as_the_server(offline):
     with pytest.raises(ValueError, match="tool_choice"):
         offline.chat(USER, chat_template=QWEN3_STYLE_TEMPLATE, tools=[WEATHER],
                      tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_bad_prompt_leaves_no_request_behind(offline):
+    """The prompts before a refused one are taken back, as the server admits all or none."""
+    with pytest.raises(ValueError, match="max_tokens"):
+        offline.generate([PROMPT, "x " * 400], SamplingParams(max_tokens=200))
+    assert not offline.engine.has_unfinished()
+    assert offline.kv_stats().num_blocks_in_use == 0
