@@ -1,6 +1,6 @@
 """met: an LLM inference engine on PyTorch — paged, prefix-cached KV, continuous batching."""
 
-from met.engine.llm import LLM
+from met.llm import LLM
 from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.params import SamplingParams, StructuredOutputs
 from met.sampling.pooling import PoolingParams

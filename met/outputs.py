@@ -15,7 +15,14 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None  # why, when finish_reason is "error" (e.g. a grammar dead end)
     # Beam search: the hypothesis' score (sum of logprobs / generated_len ** length_penalty).
+    # Sampling: the sum of the chosen tokens' logprobs, where logprobs were computed (asked
+    # for, or best_of ranking by it).
     cumulative_logprob: float | None = None
+    # LLM.chat with tools: the parsed calls ({"name", "arguments": JSON text}, as the server's
+    # message.tool_calls[i].function) and ``text`` without their markup.
+    tool_calls: list[dict[str, str]] | None = None
+    # LLM.chat with a reasoning parser: the thinking, split out of ``text``.
+    reasoning_content: str | None = None
 
 
 @dataclass

@@ -16,7 +16,7 @@ MET = Path(__file__).resolve().parents[1] / "met"  # read, never imported
 
 # Top to bottom. "met" is the package's own __init__ (the public facade: LLM, SamplingParams,
 # __version__); every other name is a subpackage or a top-level module of met/.
-ORDER = ("__main__", "cli", "bench", "api", "met", "serving", "engine", "scheduler", "spec",
+ORDER = ("__main__", "cli", "bench", "api", "met", "llm", "serving", "engine", "scheduler", "spec",
          "cache", "runner", "loader", "lora", "models", "layers", "sampling", "outputs", "config",
          "kernels")
 
@@ -29,7 +29,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     # model's config (lora-mix writes adapters of its shapes).
     "bench": frozenset({"loader"}),
     "api": frozenset({"met", "serving", "engine", "sampling", "outputs", "config"}),
-    "met": frozenset({"engine", "sampling", "outputs"}),
+    "met": frozenset({"llm", "engine", "sampling", "outputs"}),
+    # The offline LLM: the server's own request handling (templates, tools, stops, best_of)
+    # over a synchronous EngineCore, so offline and HTTP share one implementation.
+    "llm": frozenset({"serving", "engine", "cache", "sampling", "outputs", "config"}),
     "serving": frozenset({"engine", "sampling", "outputs", "config"}),
     "engine": frozenset({"scheduler", "spec", "cache", "runner", "loader", "lora", "models",
                          "sampling",

@@ -269,9 +269,6 @@ class EngineCore:
             )
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
-        if adapter is not None:
-            self.lora.hold(adapter.name)  # read back into memory if evicted; the scheduler
-            req.lora_name, req.lora_id = adapter.name, adapter.lora_id  # unholds at finish
         if params.pooling is not None:
             req.pooled = PoolState(params.pooling)
         elif params.structured_outputs is not None:
@@ -282,6 +279,9 @@ class EngineCore:
         if params.dry_multiplier > 0:
             req.dry_breaker_ids = dry_breaker_ids(params.dry_sequence_breakers,
                                                   self.loaded.tokenizer)
+        if adapter is not None:  # last: nothing below can fail and leave it held
+            self.lora.hold(adapter.name)  # read back into memory if evicted; the scheduler
+            req.lora_name, req.lora_id = adapter.name, adapter.lora_id  # unholds at finish
         self.requests[request_id] = req
         self.scheduler.add(req)
 

@@ -196,6 +196,15 @@ class SamplingParams:
     # Mixed into the prefix-cache hashes of this request's blocks: requests with different
     # salts never share KV (vLLM's cache_salt).
     cache_salt: str | None = None
+    # Output handling above the engine (the server's request fields, honoured by met.LLM;
+    # the engine never reads them): ``n`` completions per prompt (seeded: seed + index),
+    # of ``best_of`` candidates ranked by cumulative logprob; ``stop`` strings end a
+    # completion and are cut from its text unless include_stop_str_in_output.
+    n: int = 1
+    best_of: int | None = None
+    stop: tuple[str, ...] | str = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -240,6 +249,14 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.prompt_logprobs}")
+        if self.n < 1:
+            raise ValueError(f"n: must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop: stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
         if self.num_beams < 1:
             raise ValueError(f"num_beams: must be >= 1 (1 = no beam search), got "
                              f"{self.num_beams}")

@@ -7,6 +7,7 @@ choice at once and aborts its engine request; tokens that raced the abort are dr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -59,10 +60,80 @@ class ChoiceState:
     # Per prompt token (None for the first) when prompt logprobs were asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     embedding: list[float] | None = None  # set when a pooling request finishes
+    token_ids: list[int] = field(default_factory=list)  # the output tokens received
+    error: str | None = None  # why, when the engine failed this request alone
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the chosen tokens' logprobs (needs logprobs; best_of ranks by it)."""
+        return sum(entry[t] for t, entry in self.logprobs)
+
+    def step(self, u: RequestUpdate, min_tokens: int) -> tuple[str, str | None, bool]:
+        """Record engine update ``u``: the text it releases, the finish reason when the choice
+        ended (None: still running), and whether a stop string ended it (the caller then
+        aborts the engine request). The server and met.LLM both go through here."""
+        if u.prompt_logprobs is not None:
+            self.prompt_logprobs = u.prompt_logprobs
+        if u.embedding is not None:
+            self.embedding = u.embedding
+        self.num_tokens += len(u.new_token_ids)
+        self.token_ids.extend(u.new_token_ids)
+        if u.new_logprobs:
+            self.logprobs.extend(zip(u.new_token_ids, u.new_logprobs, strict=True))
+        text, stop = self.matcher.feed(self.detok.push(u.new_token_ids),
+                                       self.num_tokens >= min_tokens)
+        if stop is None and u.finished:
+            tail, stop = self.final_text(min_tokens)
+            text += tail
+        if stop is not None:
+            self.stop_reason = stop
+            return text, "stop", True
+        if u.finished:
+            self.stop_reason = u.stop_reason
+            self.error = u.error
+            return text, u.finish_reason or "stop", False
+        return text, None, False
+
+    def final_text(self, min_tokens: int) -> tuple[str, str | None]:
+        """The generation ended: release held text (it can no longer grow into a stop)."""
+        text, stop = self.matcher.feed(self.detok.flush(), self.num_tokens >= min_tokens)
+        if stop is None:
+            text += self.matcher.flush()
+        return text, stop
+
+
+def new_choices(tokenizer: Any, num_prompts: int, n: int, options: OutputOptions,
+                engine_id: str) -> list[ChoiceState]:
+    """``n`` choices per prompt (prompt-major), each with its detokenizer and stop matcher."""
+    return [ChoiceState(p * n + j, f"{engine_id}-{p * n + j}", p,
+                        IncrementalDetokenizer(tokenizer, options.skip_special_tokens),
+                        StopStringMatcher(options.stop, options.include_stop_str_in_output))
+            for p in range(num_prompts) for j in range(n)]
+
+
+def ranked_params(params: SamplingParams, n: int, candidates: int) -> SamplingParams:
+    """best_of ranks candidates by cumulative logprob: then every candidate carries logprobs
+    (the caller shows them only where they were asked for)."""
+    if candidates == n:
+        return params
+    return dataclasses.replace(params, logprobs=params.logprobs or 0)
+
+
+def best_choices(choices: list[ChoiceState], n: int, candidates: int) -> list[ChoiceState]:
+    """Per prompt, the ``n`` of its ``candidates`` with the highest cumulative logprob
+    (best_of, as vLLM ranks them), best first; every choice when there are no extra."""
+    if candidates == n:
+        return choices
+    out: list[ChoiceState] = []
+    for start in range(0, len(choices), candidates):
+        group = choices[start:start + candidates]
+        group.sort(key=lambda c: -c.cumulative_logprob)
+        out += group[:n]
+    return out
 
 
 @dataclass
@@ -84,15 +155,8 @@ class Generation:
 
     def __post_init__(self) -> None:
         # Engine ids are always fresh: clients may reuse their x-request-id.
-        engine_id = uuid.uuid4().hex
-        for p in range(len(self.prompts)):
-            for j in range(self.n):
-                index = p * self.n + j
-                self.choices.append(ChoiceState(
-                    index, f"{engine_id}-{index}", p,
-                    IncrementalDetokenizer(self.tokenizer, self.options.skip_special_tokens),
-                    StopStringMatcher(self.options.stop, self.options.include_stop_str_in_output),
-                ))
+        self.choices = new_choices(self.tokenizer, len(self.prompts), self.n, self.options,
+                                   uuid.uuid4().hex)
         self._by_rid = {c.request_id: c for c in self.choices}
         self._stream = OutputStream()
         self._failed = False
@@ -142,7 +206,7 @@ class Generation:
                 for c in self.choices:
                     if not c.finished:
                         self.engine.abort_request(c.request_id)
-                        text, stop = self._final_text(c)
+                        text, stop = c.final_text(self.options.min_tokens)
                         if stop is not None:
                             c.stop_reason = stop
                         yield self._finish(c, text, "stop" if stop else "timeout")
@@ -163,25 +227,11 @@ class Generation:
             c.first_token_at = now
             c.num_cached_tokens = u.num_cached_tokens
         c.last_token_at = now
-        c.num_tokens += len(u.new_token_ids)
-        if u.prompt_logprobs is not None:
-            c.prompt_logprobs = u.prompt_logprobs
-        if u.embedding is not None:
-            c.embedding = u.embedding
-        if u.new_logprobs:
-            c.logprobs.extend(zip(u.new_token_ids, u.new_logprobs, strict=True))
-        check = c.num_tokens >= self.options.min_tokens
-        text, stop = c.matcher.feed(c.detok.push(u.new_token_ids), check)
-        if stop is None and u.finished:
-            tail, stop = self._final_text(c)
-            text += tail
-        if stop is not None:
+        text, reason, stopped = c.step(u, self.options.min_tokens)
+        if stopped:
             self.engine.abort_request(c.request_id)  # no-op when the engine already finished
-            c.stop_reason = stop
-            return self._finish(c, text, "stop")
-        if u.finished:
-            c.stop_reason = u.stop_reason
-            return self._finish(c, text, u.finish_reason or "stop")
+        if reason is not None:
+            return self._finish(c, text, reason)
         return ChoiceDelta(c.index, text, logprobs=self._take_logprobs(c)) if text else None
 
     @staticmethod
@@ -191,13 +241,6 @@ class Generation:
         new = tuple(c.logprobs[c.num_logprobs_sent:])
         c.num_logprobs_sent = len(c.logprobs)
         return new
-
-    def _final_text(self, c: ChoiceState) -> tuple[str, str | None]:
-        """The generation ended: release held text (it can no longer grow into a stop)."""
-        text, stop = c.matcher.feed(c.detok.flush(), c.num_tokens >= self.options.min_tokens)
-        if stop is None:
-            text += c.matcher.flush()
-        return text, stop
 
     def _finish(self, c: ChoiceState, text: str, reason: str) -> ChoiceDelta:
         c.finish_reason = reason

@@ -65,3 +65,35 @@ def test_streamed_call_and_a_second_turn_with_the_result(client):
     answer = r.choices[0].message
     assert answer.tool_calls is None and answer.content
     assert "21" in answer.content  # it read the tool's result
+
+
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_reply_cut_inside_a_call_never_leaks_markup(client, tool_choice):
+    """Two tools, sampled replies cut by max_tokens at many points (the cut that once put raw
+    <tool_call> markup into content was seed 9 of this prompt under "required"): content never
+    holds call markup, and a cut reply says finish_reason "length"."""
+    ask = [{"role": "user", "content": "Weather in Rome, f"}]
+    seen_cut_call = False
+    for seed in (9, 3, 5):
+        for max_tokens in (12, 20, 28, 36, 44):
+            r = client.chat.completions.create(
+                model=NAME, messages=ask, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                max_tokens=max_tokens, temperature=1.0, seed=seed)
+            choice = r.choices[0]
+            content = choice.message.content or ""
+            where = f"seed {seed}, max_tokens {max_tokens}: {content!r}"
+            assert "<tool_call" not in content and "</tool_call" not in content, where
+            assert '"name": "get_' not in content, where
+            if r.usage.completion_tokens >= max_tokens:
+                assert choice.finish_reason == "length", where
+                seen_cut_call |= bool(choice.message.tool_calls)
+            for call in choice.message.tool_calls or []:
+                assert call.function.name in ("get_weather", "get_time"), where
+    if tool_choice == "required":
+        assert seen_cut_call, "no reply was cut inside a call: the test proved nothing"

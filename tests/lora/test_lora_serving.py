@@ -8,7 +8,7 @@ import torch
 from test_lora_exact import greedy, hf_tokens, make_adapter, peft_model
 from tiny_models import oracle_prompts
 
-from met import LLM, SamplingParams
+from met import LLM, SamplingParams, StructuredOutputs
 from met.kernels.capability import probe
 from met.kernels.lora import add_lora, add_lora_native
 from met.lora.adapter import AdapterError
@@ -164,3 +164,17 @@ def test_base_rows_keep_the_layer_stack_and_their_tokens(tmp_path, monkeypatch):
     mixed = llm.generate(prompts + prompts, params, lora=[None, None, "a", "a"])
     assert [o.outputs[0].token_ids for o in mixed[:2]] == want
     assert llm.kv_stats().num_blocks_in_use == 0
+
+
+def test_a_refused_request_does_not_keep_its_adapter_held(tiny_checkpoint, tmp_path):
+    model_dir = tiny_checkpoint("llama")
+    a = make_adapter(model_dir, tmp_path / "a", seed=1)
+    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=64,
+              lora_modules={"a": str(a)})
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=500), lora="a")
+    bad_grammar = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="("))
+    with pytest.raises(ValueError):
+        llm.engine.add_request("g", [5, 6, 7], bad_grammar, lora="a")
+    assert not llm.engine.lora.holds
+    llm.unload_lora_adapter("a")  # nothing holds it

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,17 +13,11 @@ from met.api.openai.common import now, respond, stream_events, usage
 from met.api.openai.logprobs import chat_logprobs, prompt_logprobs
 from met.api.openai.structured import compile_spec, with_structured_outputs
 from met.api.sse import SSEResponse
-from met.sampling.params import SamplingParams, StructuredOutputs
 from met.serving.chat_output import ChatDelta, ChoiceOutput
-from met.serving.errors import InvalidRequest
+from met.serving.chat_request import ChatPrompt, render_chat_prompt, tool_grammar, with_spec
 from met.serving.generate import ChoiceDelta, Generation
-from met.serving.prompts import Prompt, render_chat
 from met.serving.protocol import ChatCompletionRequest
-from met.serving.reasoning import ThinkParser, get_reasoning_parser
 from met.serving.thinking_request import with_thinking_budget
-from met.serving.tool_grammar import request_tool_grammar
-from met.serving.tool_parsers import ToolParser, get_tool_parser
-from met.serving.tools import ToolRequest, tool_request
 from met.serving.validation import (
     build_params,
     check_prompt_tokens,
@@ -84,31 +77,18 @@ async def chat_completions(request: Request) -> Response:
     return await respond(request, gen, None, body, on_delta)
 
 
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A chat request rendered: its prompt, tools, tool-call parser and reasoning parser."""
-
-    prompt: Prompt
-    tools: ToolRequest
-    tool_parser: ToolParser
-    reasoning: ThinkParser | None
-
-
 def render_chat_request(ctx: ServerContext, model: ModelInfo,
                         req: ChatCompletionRequest) -> ChatPrompt:
     """The request's messages and tools through the chat template (400s name the field)."""
-    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
-    tool_parser = get_tool_parser(ctx.config.tool_call_parser, model.chat_template, tools.tools)
     template_kwargs = req.chat_template_kwargs
     if req.enable_thinking is not None:
         template_kwargs = {"enable_thinking": req.enable_thinking, **(template_kwargs or {})}
-    prompt = render_chat(model.tokenizer, model.chat_template, req.messages,
-                         req.add_generation_prompt, template_kwargs,
-                         list(tools.tools) if tools.active else None, tool_parser)
-    reasoning = get_reasoning_parser(ctx.config.reasoning_parser, model.chat_template,
-                                     prompt.text)
-    check_prompt_tokens(prompt.token_ids, model.limits, "messages")
-    return ChatPrompt(prompt, tools, tool_parser, reasoning)
+    chat = render_chat_prompt(model.tokenizer, model.chat_template, req.messages, req.tools,
+                              req.tool_choice, req.parallel_tool_calls,
+                              ctx.config.tool_call_parser, ctx.config.reasoning_parser,
+                              req.add_generation_prompt, template_kwargs)
+    check_prompt_tokens(chat.prompt.token_ids, model.limits, "messages")
+    return chat
 
 
 @dataclass
@@ -132,37 +112,20 @@ async def start_chat(ctx: ServerContext, request: Request,
     check_ranges(req, max_tokens, max_tokens_param)
     check_request_limits(req, max_tokens, model.limits.requests, max_tokens_param)
     chat = render_chat_request(ctx, model, req)
-    prompt, tools, tool_parser, reasoning = (chat.prompt, chat.tools, chat.tool_parser,
-                                             chat.reasoning)
-    params = build_params(req, max_tokens, len(prompt.token_ids), model.limits, None,
+    params = build_params(req, max_tokens, len(chat.prompt.token_ids), model.limits, None,
                           "messages", max_tokens_param, model.tokenizer)
     params, = await with_structured_outputs(ctx, req, [params])
     params = with_thinking_budget(params, req, ctx.config.max_thinking_budget, model.tokenizer,
-                                  reasoning)
-    # With a thinking budget the engine pauses the grammar while thinking: hold only the answer.
-    thinking = reasoning if params.thinking_budget is None else None
-    params = await _with_tool_grammar(ctx, params, request_tool_grammar(tools, tool_parser,
-                                                                        thinking), tools.choice)
+                                  chat.reasoning)
+    spec = tool_grammar(chat, params)
+    if spec is not None:
+        await compile_spec(ctx, spec, "tools")
+    params = with_spec(params, spec)
     ctx.check_queue()
-    gen = ctx.new_generation(request, "chat", [prompt], [params], req.n, output_options(req))
-    outputs = [ChoiceOutput(reasoning, tool_parser if tools.active else None)
-               for _ in gen.choices]
+    gen = ctx.new_generation(request, "chat", [chat.prompt], [params], req.n,
+                             output_options(req))
+    outputs = chat.outputs(len(gen.choices))
     return ChatRun(gen, outputs, params.logprobs)
-
-
-async def _with_tool_grammar(ctx: ServerContext, params: SamplingParams,
-                             spec: StructuredOutputs | None, choice: str) -> SamplingParams:
-    """Hold tool calls to their schemas (the request's own grammar, if any, wins for
-    tool_choice auto; required / named cannot be combined with one)."""
-    if spec is None:
-        return params
-    if params.structured_outputs is not None:
-        if choice == "auto":
-            return params  # the response_format / structured_outputs constraint rules
-        raise InvalidRequest("tool_choice: 'required' or a named tool cannot be combined with "
-                             "response_format / structured_outputs", "tool_choice")
-    await compile_spec(ctx, spec, "tools")
-    return dataclasses.replace(params, structured_outputs=spec)
 
 
 def feed_choice(out: ChoiceOutput, d: ChoiceDelta, gen: Generation) -> ChatDelta:

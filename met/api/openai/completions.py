@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
@@ -14,7 +13,7 @@ from met.api.openai.logprobs import completion_logprobs, prompt_logprobs
 from met.api.openai.structured import with_structured_outputs
 from met.api.sse import SSEResponse
 from met.serving.errors import InvalidRequest
-from met.serving.generate import ChoiceDelta, ChoiceState, Generation
+from met.serving.generate import ChoiceDelta, ChoiceState, Generation, best_choices, ranked_params
 from met.serving.prompts import completion_prompts, fim_prompts
 from met.serving.protocol import CompletionRequest
 from met.serving.validation import (
@@ -58,8 +57,7 @@ async def completions(request: Request) -> Response:
     params = await with_structured_outputs(ctx, req, params)
     top = requested_logprobs(req)  # what the client sees; best_of ranks by logprobs too
     candidates = num_candidates(req)
-    if candidates > req.n:
-        params = [dataclasses.replace(p, logprobs=p.logprobs or 0) for p in params]
+    params = [ranked_params(p, req.n, candidates) for p in params]
     ctx.check_queue()
     gen = ctx.new_generation(request, "completion", prompts, params, candidates,
                              output_options(req))
@@ -110,19 +108,6 @@ async def completions(request: Request) -> Response:
         }
 
     return await respond(request, gen, prefixes, body)
-
-
-def best_choices(choices: list[ChoiceState], n: int, candidates: int) -> list[ChoiceState]:
-    """Per prompt, the ``n`` of its ``candidates`` with the highest cumulative logprob
-    (best_of, as vLLM ranks them), best first; every choice when there are no extra."""
-    if candidates == n:
-        return choices
-    out: list[ChoiceState] = []
-    for start in range(0, len(choices), candidates):
-        group = choices[start:start + candidates]
-        group.sort(key=lambda c: -sum(entry[t] for t, entry in c.logprobs))
-        out += group[:n]
-    return out
 
 
 def _stream(gen: Generation, cid: str, created: int, name: str, prefixes: list[str] | None,

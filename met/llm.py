@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from met.cache.kv_manager import KVStats
@@ -11,11 +12,36 @@ from met.config import EngineConfig, SpeculativeConfig
 from met.engine.core import EngineCore
 from met.outputs import CompletionOutput, RequestOutput
 from met.sampling.beam_search import beam_state, live_beam_requests, top_pairs
-from met.sampling.params import SamplingParams
+from met.sampling.params import SamplingParams, StructuredOutputs
 from met.sampling.pooling import PoolingParams
 from met.sampling.scoring import cosine, rerank_token_ids, resolve_score_mode
+from met.serving.chat_request import ChatPrompt, render_chat_prompt, tool_grammar, with_spec
+from met.serving.generate import (
+    ChoiceState,
+    best_choices,
+    new_choices,
+    ranked_params,
+)
+from met.serving.validation import OutputOptions, choice_params, num_candidates
 
 Prompt = str | dict[str, Any]
+
+
+@dataclass
+class _Run:
+    """One prompt's candidates in flight: the server's ChoiceStates, and for each the text
+    pieces it released (with its token count then, as the chat parsers are fed)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    options: OutputOptions
+    choices: list[ChoiceState]
+    pieces: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pieces = {c.index: [] for c in self.choices}
 
 
 class LLM:
@@ -104,21 +130,65 @@ class LLM:
             if any(name is not None for name in loras):
                 raise ValueError("lora: beam search under an adapter is not supported")
             return self._generate_with_beams(prompts, params_list)
-        entries = []
-        for prompt, params in zip(prompts, params_list, strict=True):
-            text, token_ids = self._tokenize(prompt)
-            rid = str(next(self._ids))
-            entries.append((rid, text, token_ids, params))
+        runs: list[_Run] = []
         try:
-            for (rid, _, token_ids, params), name in zip(entries, loras, strict=True):
-                self.engine.add_request(rid, token_ids, params, lora=name)
-            finished = self._run_to_completion()
+            for prompt, params, name in zip(prompts, params_list, loras, strict=True):
+                runs.append(self._start(prompt, params, name))
+            self._run_choices(runs)
         except BaseException:
-            for rid, *_ in entries:
-                self.engine.abort_request(rid)
+            for run in runs:
+                for c in run.choices:
+                    self.engine.abort_request(c.request_id)
             raise
-        return [self._make_output(rid, text, ids, params, finished[rid])
-                for rid, text, ids, params in entries]
+        return [self._make_output(run) for run in runs]
+
+    def _start(self, prompt: Prompt, params: SamplingParams, lora: str | None,
+               prompt_ids: list[int] | None = None) -> _Run:
+        """Queue a prompt's candidates (n, or best_of) as the server's Generation does:
+        the same choice states, per-choice seeds and best_of logprobs."""
+        text, token_ids = (None, prompt_ids) if prompt_ids is not None else self._tokenize(prompt)
+        if params.structured_outputs is not None:
+            self._compile(params.structured_outputs, "structured_outputs")
+        n = params.n
+        candidates = num_candidates(params)
+        options = OutputOptions(params.stop, params.include_stop_str_in_output,
+                                params.skip_special_tokens, params.min_tokens)
+        rid = f"{next(self._ids)}"
+        choices = new_choices(self.tokenizer, 1, candidates, options, rid)
+        engine_params = ranked_params(params, n, candidates)
+        run = _Run(rid, text, token_ids, params, options, choices)
+        try:
+            for c in choices:
+                self.engine.add_request(c.request_id, token_ids,
+                                        choice_params(engine_params, c.index), lora=lora)
+        except BaseException:
+            for c in choices:
+                self.engine.abort_request(c.request_id)
+            raise
+        return run
+
+    def _run_choices(self, runs: list[_Run]) -> None:
+        """Step the engine until every choice finished, feeding each update through the
+        server's per-choice handling (detokenizer, stop strings, finish)."""
+        by_rid = {c.request_id: (run, c) for run in runs for c in run.choices}
+        while self.engine.has_unfinished():
+            for u in self.engine.step():
+                found = by_rid.get(u.request_id)
+                if found is None:
+                    continue
+                run, c = found
+                if c.finished:
+                    continue  # tokens that raced a stop string's abort
+                if c.first_token_at is None:
+                    c.first_token_at = 0.0
+                    c.num_cached_tokens = u.num_cached_tokens
+                text, reason, stopped = c.step(u, run.options.min_tokens)
+                if text or reason is not None:
+                    run.pieces[c.index].append((text, c.num_tokens))
+                if stopped:
+                    self.engine.abort_request(c.request_id)
+                if reason is not None:
+                    c.finish_reason = reason
 
     def _generate_with_beams(self, prompts: Sequence[Prompt],
                              params_list: list[SamplingParams]) -> list[RequestOutput]:
@@ -217,24 +287,70 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = "auto",
+        parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = "auto",
+        lora: str | Sequence[str | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list) and generate."""
+        """One conversation (or a list) through the chat template and the engine, exactly as
+        ``/v1/chat/completions`` does it: ``tools`` / ``tool_choice`` (OpenAI's shapes) are
+        rendered into the prompt and, for ``required`` or a named tool, enforced by grammar;
+        tool calls are parsed (``tool_call_parser``, as ``--tool-call-parser``) into
+        ``outputs[i].tool_calls`` and cut from ``text``; thinking is split into
+        ``reasoning_content`` (``reasoning_parser``, as ``--reasoning-parser``). Bad input
+        raises ValueError naming the field the server's 400 names."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template = chat_template or self.engine.loaded.chat_template
-        if self.tokenizer is None or not template:
-            raise ValueError("chat: this model has no chat template; pass chat_template=")
-        prompts = []
-        for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(
-                conv, chat_template=template, add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=False, **template_kwargs,
-            )
-            prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params)
+        kwargs = {**template_kwargs, **(chat_template_kwargs or {})} or None
+        params_list = _broadcast_params(sampling_params, len(conversations))
+        loras = ([lora] * len(conversations) if lora is None or isinstance(lora, str)
+                 else list(lora))
+        if len(loras) != len(conversations):
+            raise ValueError(f"lora: {len(loras)} adapters for {len(conversations)} chats")
+        chats, params_out = [], []
+        for conv, params in zip(conversations, params_list, strict=True):
+            chat = render_chat_prompt(self.tokenizer, template, conv, tools, tool_choice,
+                                      parallel_tool_calls, tool_call_parser, reasoning_parser,
+                                      add_generation_prompt, kwargs)
+            if params.best_of is not None and params.best_of != params.n:
+                raise ValueError("best_of: not available for chat (as /v1/chat/completions)")
+            if params.num_beams > 1 and chat.tools.active:
+                raise ValueError("tools: not available with beam search (num_beams > 1)")
+            spec = tool_grammar(chat, params)
+            if spec is not None:
+                self._compile(spec, "tools")
+            chats.append(chat)
+            params_out.append(with_spec(params, spec))
+        if any(p.num_beams > 1 for p in params_out):
+            prompts = [{"prompt_token_ids": c.prompt.token_ids, "prompt": c.prompt.text}
+                       for c in chats]
+            return self.generate(prompts, params_out, lora)
+        runs = []
+        try:
+            for chat, params, name in zip(chats, params_out, loras, strict=True):
+                run = self._start(None, params, name, chat.prompt.token_ids)
+                run.prompt = chat.prompt.text
+                runs.append(run)
+            self._run_choices(runs)
+        except BaseException:
+            for run in runs:
+                for c in run.choices:
+                    self.engine.abort_request(c.request_id)
+            raise
+        return [self._make_output(run, chat) for run, chat in zip(runs, chats, strict=True)]
+
+    def _compile(self, spec: StructuredOutputs, field: str) -> None:
+        """Compile a grammar up front, as the server does before admitting a request: a bad
+        spec raises GrammarError (a ValueError) naming ``field``, the server's 400, before
+        any request is queued."""
+        self.engine.grammars.compile(spec, field)
 
     def kv_stats(self) -> KVStats:
         """Blocks total / held by live requests / holding cached prefixes / free."""
@@ -259,22 +375,37 @@ class LLM:
                 updates_by_id.setdefault(update.request_id, []).append(update)
         return updates_by_id
 
-    def _make_output(self, rid: str, text: str | None, prompt_ids: list[int],
-                     params: SamplingParams, updates: list) -> RequestOutput:
-        token_ids = [t for u in updates for t in u.new_token_ids]
-        logprobs = [lp for u in updates for lp in u.new_logprobs]
-        last = updates[-1]
-        out_text = self._detokenize(token_ids)
-        completion = CompletionOutput(
-            index=0, text=out_text, token_ids=token_ids, finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-            logprobs=logprobs if params.logprobs is not None else None, error=last.error,
-        )
-        prompt_logprobs = next((u.prompt_logprobs for u in updates
-                                if u.prompt_logprobs is not None), None)
-        return RequestOutput(rid, text, prompt_ids, [completion], finished=True,
-                             num_cached_tokens=last.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs, embedding=last.embedding)
+    def _make_output(self, run: _Run, chat: ChatPrompt | None = None) -> RequestOutput:
+        """The n best choices (all of them without best_of), as the server returns them;
+        ``chat``: split reasoning and parse tool calls as the chat route does."""
+        params = run.params
+        completions = []
+        for i, c in enumerate(best_choices(run.choices, params.n, len(run.choices))):
+            pieces = run.pieces[c.index]
+            text = "".join(t for t, _ in pieces)
+            out = CompletionOutput(
+                index=i, text=text, token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=([e for _, e in c.logprobs] if params.logprobs is not None else None),
+                error=c.error, cumulative_logprob=c.cumulative_logprob if c.logprobs else None)
+            if chat is not None:
+                parsed = chat.outputs(1)[0]
+                for piece, num_tokens in pieces:
+                    parsed.feed(piece, num_tokens)
+                parsed.finish()
+                message = parsed.message()
+                out.text = message["content"] or ""
+                out.reasoning_content = message.get("reasoning_content")
+                if chat.tools.active:
+                    out.tool_calls = [{"name": call["function"]["name"],
+                                       "arguments": call["function"]["arguments"]}
+                                      for call in parsed.tool_calls]
+                out.finish_reason = parsed.finish_reason(c.finish_reason)
+            completions.append(out)
+        first = run.choices[0]
+        return RequestOutput(run.request_id, run.prompt, run.prompt_token_ids, completions,
+                             finished=True, num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=first.prompt_logprobs, embedding=first.embedding)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
