@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,17 +130,24 @@ class LLM:
             if any(name is not None for name in loras):
                 raise ValueError("lora: beam search under an adapter is not supported")
             return self._generate_with_beams(prompts, params_list)
+        runs = self._queue_and_run(
+            self._start(prompt, params, name)
+            for prompt, params, name in zip(prompts, params_list, loras, strict=True))
+        return [self._make_output(run) for run in runs]
+
+    def _queue_and_run(self, starts: Iterable[_Run]) -> list[_Run]:
+        """Queue each run ``starts`` yields, then step them all to the end; on any error
+        (a refused later prompt, Ctrl-C) abort every choice queued so far."""
         runs: list[_Run] = []
         try:
-            for prompt, params, name in zip(prompts, params_list, loras, strict=True):
-                runs.append(self._start(prompt, params, name))
+            runs.extend(starts)
             self._run_choices(runs)
         except BaseException:
             for run in runs:
                 for c in run.choices:
                     self.engine.abort_request(c.request_id)
             raise
-        return [self._make_output(run) for run in runs]
+        return runs
 
     def _start(self, prompt: Prompt, params: SamplingParams, lora: str | None,
                prompt_ids: list[int] | None = None) -> _Run:
@@ -332,18 +339,13 @@ class LLM:
             prompts = [{"prompt_token_ids": c.prompt.token_ids, "prompt": c.prompt.text}
                        for c in chats]
             return self.generate(prompts, params_out, lora)
-        runs = []
-        try:
+        def starts():
             for chat, params, name in zip(chats, params_out, loras, strict=True):
                 run = self._start(None, params, name, chat.prompt.token_ids)
                 run.prompt = chat.prompt.text
-                runs.append(run)
-            self._run_choices(runs)
-        except BaseException:
-            for run in runs:
-                for c in run.choices:
-                    self.engine.abort_request(c.request_id)
-            raise
+                yield run
+
+        runs = self._queue_and_run(starts())
         return [self._make_output(run, chat) for run, chat in zip(runs, chats, strict=True)]
 
     def _compile(self, spec: StructuredOutputs, field: str) -> None:

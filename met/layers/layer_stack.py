@@ -59,7 +59,7 @@ class LayerStack:
             ) -> torch.Tensor | None:
         """The last layer's output through the final norm, as the Python loop computes it
         from the embedded tokens ``x``; None when this step cannot run here."""
-        if self.lora_step is not None and self.lora_step.groups:
+        if self.lora_step is not None and self.lora_step.active:
             return None
         cache = kv_caches[0]  # every layer's cache has the same dtype and layout
         if batch.prompt_rows or not native_applies(cache, x.dtype, cache.k.shape[-1]):

@@ -41,6 +41,11 @@ class StepMapping:
     row_slots: torch.Tensor | None = None
     native: bool = False
 
+    @property
+    def active(self) -> bool:
+        """Whether any row of this step runs an adapter."""
+        return self.row_slots is not None if self.native else bool(self.groups)
+
 
 class LoRAProjection:
     """The slots of one (possibly fused) projection; `add` is its step's delta."""
@@ -69,7 +74,7 @@ class LoRAProjection:
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         step = self.step
-        if not step.groups:
+        if not step.active:
             return y
         x2 = x.reshape(-1, x.shape[-1])
         if step.native:
@@ -261,18 +266,16 @@ class LoRAManager:
     def set_rows(self, row_slots: list[int], device: torch.device) -> None:
         """This step's rows' slots (-1: the base model alone)."""
         present = sorted(set(row_slots) - {-1})
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        if self.step.native:
-            # The kernel reads each row's slot; groups only says whether any row has one.
-            groups = [(slot, None) for slot in present]
+        if self.step.native:  # the kernel reads each row's slot
             self.step.row_slots = torch.tensor(row_slots, dtype=torch.int32) if present else None
-        else:
-            for slot in present:
-                if len(present) == 1 and -1 not in row_slots:
-                    groups.append((slot, None))
-                else:
-                    rows = [i for i, s in enumerate(row_slots) if s == slot]
-                    groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
+            return
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in present:
+            if len(present) == 1 and -1 not in row_slots:
+                groups.append((slot, None))
+            else:
+                rows = [i for i, s in enumerate(row_slots) if s == slot]
+                groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
         self.step.groups = groups
 
     def clear_rows(self) -> None:

@@ -192,7 +192,6 @@ TEXTS = ("The keeper climbed the narrow stairs to light the lamp, and", "Once a 
 def test_embed_matches_sentence_transformers(tiny_checkpoint, arch, pooling):
     """SentenceTransformer built as Qwen3-Embedding's config builds it (Transformer +
     Pooling + Normalize) encodes the same texts (padded as one batch) to met's vectors."""
-    pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 

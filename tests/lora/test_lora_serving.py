@@ -9,14 +9,10 @@ from test_lora_exact import greedy, hf_tokens, make_adapter, peft_model
 from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams, StructuredOutputs
-from met.kernels.capability import probe
 from met.kernels.lora import add_lora, add_lora_native
 from met.lora.adapter import AdapterError
 
-needs_native = pytest.mark.skipif(not probe().avx2, reason="the native LoRA kernel needs AVX2")
 
-
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", [(1, 64, 96), (7, 100, 37), (33, 576, 960)])
 def test_native_kernel_matches_the_reference(dtype, m, k, n):
@@ -51,7 +47,6 @@ def test_native_kernel_matches_the_reference(dtype, m, k, n):
     assert torch.equal(got[base], y.double()[base]), "a row without an adapter changed"
 
 
-@needs_native
 def test_native_rows_do_not_depend_on_their_batch():
     g = torch.Generator().manual_seed(0)
     a, bt = torch.randn(4, 16, 200, generator=g), torch.randn(4, 16, 150, generator=g)

@@ -94,8 +94,7 @@ def write_random_adapter(config: Any, out_dir: Path, rank: int, seed: int) -> Pa
     tensors = {}
     for layer in range(config.num_hidden_layers):
         for target, (fan_in, fan_out) in _shapes(config).items():
-            block = "self_attn" if target.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
-                else "mlp"
+            block = "self_attn" if target in _TARGETS[:4] else "mlp"
             key = f"base_model.model.model.layers.{layer}.{block}.{target}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
