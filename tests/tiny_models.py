@@ -21,7 +21,9 @@ random ids of length 5, 17, 40, 75 plus the two TEXT_PROMPTS; 32 greedy steps ea
 ``OBSERVED``: the smallest top-1 minus top-2 logit margin is 0.014 (qwen2), i.e. >1e3 times
 the ~1e-5 float32 disagreement between two implementations and ~3.5e-3 of the logit std;
 median margins are ~0.8-1.1; every 32-token continuation has >= 18 distinct tokens.
-qwen3_moe's smallest gap between the 2nd and 3rd router probability is ~1.4e-4.
+qwen3_moe's smallest gap between the 2nd and 3rd router probability is ~1.4e-4 (mixtral's
+2.5e-4, gpt_oss's 1.3e-4; transformers 5.25). gpt_oss's attention sinks are N(-1, 1): with
+larger ones the tiny model attends to little and repeats itself.
 Building all eight checkpoints takes ~0.2 s after the ~1.5 s transformers import.
 """
 
@@ -46,6 +48,8 @@ ARCHS = (
     "qwen3",
     "gemma3",
     "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
 )
 
 # Shared shape of every tiny model.
@@ -62,6 +66,7 @@ SLIDING_WINDOW = 8
 # first pair is kept, the next two are smoothly interpolated and the rest divided by 8.
 LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
+GPT_OSS_SWIGLU_LIMIT = 1.5
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -73,10 +78,12 @@ VOCAB = {
     "qwen3": 384,
     "gemma3": 448,
     "qwen3_moe": 384,
+    "mixtral": 352,
+    "gpt_oss": 416,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
-ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3"}
+ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3", "mixtral"}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN = "<|endoftext|>"
@@ -138,6 +145,8 @@ SPECS = {
     # sharper q/k norms keep attention from averaging everything into a constant.
     "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
     "qwen3_moe": ArchSpec(seed_offset=2),
+    "mixtral": ArchSpec(seed_offset=5),
+    "gpt_oss": ArchSpec(seed_offset=2),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -151,6 +160,8 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "qwen3": (0.0186, 0.909, 19),
     "gemma3": (0.0208, 1.064, 21),
     "qwen3_moe": (0.0383, 1.016, 20),
+    "mixtral": (0.0116, 0.889, 26),
+    "gpt_oss": (0.0241, 1.055, 13),
 }
 
 
@@ -294,6 +305,28 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             },
         )
+    if arch == "mixtral":
+        return tf.MixtralConfig(
+            **(common | {"intermediate_size": 32}),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "gpt_oss":
+        return tf.GptOssConfig(
+            **(common | {"intermediate_size": 32}),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            attention_bias=True,
+            # Low enough that both clamps of its SwiGLU bite on the tiny model's activations.
+            swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -309,6 +342,8 @@ def _model_class(arch: str):
         "qwen3": tf.Qwen3ForCausalLM,
         "gemma3": tf.Gemma3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "mixtral": tf.MixtralForCausalLM,
+        "gpt_oss": tf.GptOssForCausalLM,
     }[arch]
 
 
@@ -359,12 +394,31 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith(".mlp.gate.weight"):  # MoE router: make routing decisive
                 p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
+            elif arch == "gpt_oss" and _init_gpt_oss(name, p, gen, spec):
+                pass
             elif p.dim() >= 2:
                 # nn.Linear weights are (out, in); fused MoE experts are (E, out, in).
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) * (spec.gain / math.sqrt(fan_in)))
             else:
                 raise RuntimeError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
+
+
+def _init_gpt_oss(name: str, p, gen, spec: ArchSpec) -> bool:
+    """gpt-oss's own parameters: attention sinks (a logit per head, about as large as the
+    attention scores so they take a visible share), a decisive router, experts stored
+    transposed (E, in, out) and their (E, out) biases. False for the others."""
+    if name.endswith(".self_attn.sinks"):
+        p.copy_(torch.randn(p.shape, generator=gen) - 1.0)
+    elif name.endswith(".mlp.router.weight"):
+        p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
+    elif name.endswith("_proj_bias"):
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        p.copy_(torch.randn(p.shape, generator=gen) * (spec.gain / math.sqrt(p.shape[-2])))
+    else:
+        return False
+    return True
 
 
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0,

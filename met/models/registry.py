@@ -6,6 +6,7 @@ from typing import Any
 
 from met.models.base import CausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
+from met.models.gpt_oss import GptOssForCausalLM
 from met.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -15,6 +16,8 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -25,6 +28,8 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
