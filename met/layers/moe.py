@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from met.kernels import gguf_blocks
+from met.kernels.gguf_blocks import Blocks
 from met.kernels.grouped_mm import grouped_mm
 from met.layers.activations import get_activation
 from met.layers.linear import Linear
@@ -74,6 +76,10 @@ class ExpertStack(nn.Module):
                  bias: bool = False):
         super().__init__()
         self.num_experts = num_experts
+        # GGUF experts kept quantized (``--quantization gguf``): projection name -> one
+        # Blocks per expert, set by `keep_blocks`; the float parameter is then an empty view.
+        self.blocks: dict[str, list[Blocks]] = {}
+        self.native = False
         shape_in = (num_experts, intermediate, hidden)
         self.gate_proj = nn.Parameter(torch.empty(shape_in, dtype=dtype), False)
         self.up_proj = nn.Parameter(torch.empty(shape_in, dtype=dtype), False)
@@ -88,7 +94,11 @@ class ExpertStack(nn.Module):
     def project(self, name: str, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows h [N, in] sorted by expert (``offsets``: cumulative row ends per expert)
         through projection ``name`` ("gate", "up", "down") of each row's expert."""
-        y = grouped_mm(h, getattr(self, f"{name}_proj"), offsets)
+        blocks = self.blocks.get(name)
+        if blocks is None:
+            y = grouped_mm(h, getattr(self, f"{name}_proj"), offsets)
+        else:
+            y = _blocks_grouped(h, blocks, offsets, self.native)
         bias = getattr(self, f"{name}_bias", None)
         if bias is not None:
             y = y + expert_rows(bias, offsets, h.shape[0])
@@ -97,6 +107,56 @@ class ExpertStack(nn.Module):
     def combine(self, gate: torch.Tensor, up: torch.Tensor,
                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         return act(gate) * up
+
+    def keep_blocks(self, kernel: str | None = "auto") -> None:
+        """After loading: the projections whose experts came as GGUF blocks
+        (`attach_expert_blocks`) run on them, through the native quantized matmul per
+        expert group (gguf-py's dequantize where the kernel is not built)."""
+        blocks = {}
+        for name in ("gate", "up", "down"):
+            param = getattr(self, f"{name}_proj")
+            experts = getattr(param, "gguf_experts", None)
+            if experts is not None:
+                missing = [e for e, b in enumerate(experts) if b is None]
+                if missing:
+                    raise ValueError(f"checkpoint is missing {name}_proj of experts {missing}")
+                blocks[name] = experts
+                del param.gguf_experts
+        self.blocks = blocks
+        self.native = gguf_blocks.available() if kernel == "auto" else kernel is not None
+
+    @property
+    def segments(self) -> list[Blocks]:
+        """Every kept expert's blocks (what `CausalLM.weight_bytes` counts)."""
+        return [b for experts in self.blocks.values() for b in experts]
+
+
+def attach_expert_blocks(param: torch.Tensor, expert: int, blocks: Blocks, name: str) -> None:
+    """Make stacked expert parameter ``param`` [E, out, in] hold expert ``expert`` as GGUF
+    blocks: on the first one its float data becomes a zero-stride view (no float copy)."""
+    if (blocks.rows, blocks.cols) != tuple(param.shape[1:]):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {(blocks.rows, blocks.cols)}, "
+                         f"the model expects {tuple(param.shape[1:])}")
+    experts = getattr(param, "gguf_experts", None)
+    if experts is None:
+        experts = param.gguf_experts = [None] * param.shape[0]
+        param.data = torch.zeros(1, dtype=param.dtype, device=param.device).expand(param.shape)
+    experts[expert] = blocks
+
+
+def _blocks_grouped(h: torch.Tensor, experts: list[Blocks], offsets: torch.Tensor,
+                    native: bool) -> torch.Tensor:
+    """`grouped_mm` over GGUF blocks: one quantized matmul per expert that has rows (the
+    kernel takes one matrix per call)."""
+    out_dtype = h.dtype if h.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    h = h.to(out_dtype).contiguous()
+    y = h.new_empty(h.shape[0], experts[0].rows)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            y[start:end] = gguf_blocks.linear(h[start:end], [experts[e]], out_dtype, native)
+        start = end
+    return y
 
 
 class ClampedSwiGLUExperts(ExpertStack):

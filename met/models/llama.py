@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from met.kernels import fused_ops
+from met.kernels.gguf_blocks import Blocks
 from met.layers import layer_stack
 from met.layers.activations import get_activation
 from met.layers.attention import KVCache, attend_cached, paged_attention
 from met.layers.batch import ForwardBatch
 from met.layers.fused_layer import FusedLayer
 from met.layers.linear import Embedding, Linear, LMHead, fuse_linears
-from met.layers.moe import SparseMoE
+from met.layers.moe import SparseMoE, attach_expert_blocks
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding, rope_parameters
 from met.models.base import CausalLM, config_head_dim
@@ -322,7 +323,10 @@ def load_expert_weight(name: str, tensor: torch.Tensor, params: dict) -> list[st
     if parts[0].isdigit():  # model.layers.N.mlp.experts.E.gate_proj.weight
         e, proj = int(parts[0]), parts[1]
         target = f"{base}.{proj}"
-        params[target].data[e].copy_(tensor)
+        if isinstance(tensor, Blocks):  # a GGUF expert kept quantized
+            attach_expert_blocks(params[target], e, tensor, name)
+        else:
+            params[target].data[e].copy_(tensor)
         return [target]
     if parts[0] == "gate_up_proj":  # transformers 5 fused layout [E, 2I, H]
         inter = tensor.shape[1] // 2
