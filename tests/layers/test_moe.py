@@ -108,3 +108,20 @@ def test_biased_clamped_swiglu_experts():
     got = apply_experts(x, weights, ids, stack, F.silu)
     torch.testing.assert_close(got, _per_token(x, weights, ids, stack, F.silu),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_bad_expert_tensors_are_refused_naming_them():
+    from met.kernels.gguf_blocks import from_float
+    from met.layers.moe import attach_expert_blocks
+    from met.models.gpt_oss import load_gpt_oss_expert_weight
+
+    stack = _stack(ClampedSwiGLUExperts, alpha=1.702, limit=7.0)
+    params = {f"model.layers.0.mlp.experts.{n}": p for n, p in stack.named_parameters()}
+    mxfp4 = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    with pytest.raises(ValueError, match="gate_up_proj_blocks.*MXFP4"):
+        load_gpt_oss_expert_weight(mxfp4, torch.zeros(8, 64, 2, 16, dtype=torch.uint8), params)
+    wrong = "model.layers.0.mlp.experts.down_proj"
+    with pytest.raises(ValueError, match="down_proj.*expects"):
+        load_gpt_oss_expert_weight(wrong, torch.zeros(8, 64, 32), params)  # not transposed
+    with pytest.raises(ValueError, match="blk.0.ffn_up_exps"):
+        attach_expert_blocks(stack.up_proj, 0, from_float(torch.zeros(32, 32)), "blk.0.ffn_up_exps")
