@@ -159,6 +159,10 @@ def _blocks_grouped(h: torch.Tensor, experts: list[Blocks], offsets: torch.Tenso
     return y
 
 
+# The stack's name before it became public (callers of apply_experts written against it).
+_Experts = ExpertStack
+
+
 class ClampedSwiGLUExperts(ExpertStack):
     """gpt-oss's experts: biases everywhere and a clamped SwiGLU,
     (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)."""
