@@ -1,6 +1,7 @@
 """Routed experts on the CPU: met's grouped `apply_experts` vs the per-expert loop it
 replaced, and the two grouped-matmul paths (torch's _grouped_mm, a padded bmm) against each
-other.
+other, and the GGUF path (experts kept as Q8_0 blocks, the native quantized matmul per
+expert group).
 
     python benchmarks/moe_experts.py [--tokens 1,8,64,512] [--dtype float32] [--threads N]
         [--clock wall|thread]
@@ -22,9 +23,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from met.kernels import gguf_blocks
 from met.kernels import grouped_mm as gmm
 from met.layers import moe
-from met.layers.moe import ExpertStack, apply_experts
+from met.layers.moe import ExpertStack, apply_experts, attach_expert_blocks
 
 SHAPES = {"tiny": (64, 32, 4, 2), "qwen3-30b-a3b/4": (512, 192, 32, 8)}
 
@@ -62,14 +64,29 @@ def median_ms(fn, clock, min_s: float = 0.3) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(x, weights, experts, stack, clock) -> dict[str, float]:
-    """Each path's median time and largest |difference| from the loop."""
+def quantized_copy(stack: ExpertStack, kind: int) -> ExpertStack:
+    """The stack with every expert as GGUF blocks of ``kind`` (what a GGUF file loads as
+    under --quantization gguf)."""
+    copy = ExpertStack(stack.gate_proj.shape[2], stack.gate_proj.shape[1], stack.num_experts,
+                       stack.gate_proj.dtype)
+    for name in ("gate", "up", "down"):
+        src, dst = getattr(stack, f"{name}_proj"), getattr(copy, f"{name}_proj")
+        for e in range(stack.num_experts):
+            attach_expert_blocks(dst, e, gguf_blocks.from_float(src[e], kind), name)
+    copy.keep_blocks()
+    return copy
+
+
+def measure(x, weights, experts, stack, q8_stack, clock) -> dict[str, float]:
+    """Each path's median time and largest |difference| from the loop (gguf_q8_0: from the
+    loop, so it includes the Q8_0 rounding)."""
     ref = loop_experts(x, weights, experts, stack, F.silu)
     record: dict[str, float] = {}
-    for path, impl in (("loop", loop_experts), ("grouped", apply_experts),
-                       ("padded_bmm", with_bmm)):
-        def call(impl=impl):
-            return impl(x, weights, experts, stack, F.silu)
+    for path, impl, on in (("loop", loop_experts, stack), ("grouped", apply_experts, stack),
+                           ("padded_bmm", with_bmm, stack),
+                           ("gguf_q8_0", apply_experts, q8_stack)):
+        def call(impl=impl, on=on):
+            return impl(x, weights, experts, on, F.silu)
         record[f"{path}_ms"] = round(median_ms(call, clock), 4)
         record[f"{path}_max_err"] = float((call() - ref).abs().max())
     return record
@@ -94,6 +111,7 @@ def main() -> None:
         with torch.no_grad():
             for p in stack.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        q8_stack = quantized_copy(stack, gguf_blocks.kind_of("Q8_0"))
         for t in (int(v) for v in args.tokens.split(",")):
             x = torch.randn(t, hidden, generator=gen).to(dtype)
             probs = torch.randn(t, num_experts, generator=gen).softmax(-1)
@@ -101,7 +119,7 @@ def main() -> None:
             weights = weights.to(dtype)
             record = {"shape": name, "tokens": t, "dtype": args.dtype,
                       "threads": torch.get_num_threads(), "clock": args.clock}
-            record |= measure(x, weights, experts, stack, clock)
+            record |= measure(x, weights, experts, stack, q8_stack, clock)
             print(json.dumps(record), flush=True)
 
 
