@@ -91,6 +91,22 @@ class ForwardBatch:
             plan = self.memo[key] = _build_plan(seqs, window, self.row_attention)
         return plan
 
+    def rope_seq_lens(self) -> torch.Tensor:
+        """Each row's rope length (long [T]) for a length-dependent rope (met.layers.rotary):
+        the length its request reaches at the end of this step, or, for rows that attend
+        apart (a speculative verify), the length at that row, as the decode it stands for."""
+        lens = self.memo.get("rope_seq_lens")
+        if lens is None:
+            lens = torch.zeros_like(self.positions)
+            for s in self.seqs:
+                rows = slice(s.q_start, s.q_start + s.q_len)
+                if s.rows_apart:
+                    lens[rows] = self.positions[rows] + 1
+                else:
+                    lens[rows] = s.ctx_len
+            self.memo["rope_seq_lens"] = lens
+        return lens
+
     def varlen(self) -> VarlenMeta:
         """Every sequence as flat varlen metadata (the Triton attention backend's input)."""
         meta = self.memo.get("varlen")
