@@ -50,6 +50,9 @@ class SeqSpan:
     # Each query row attends alone through the one-row (decode) kernel: a speculative
     # verify's rows then attend exactly as the decodes they stand for would.
     rows_apart: bool = False
+    # The request's prompt length (its positions below it are prompt positions): what a
+    # length-dependent rope needs (`ForwardBatch.rope_seq_lens`).
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,18 +96,16 @@ class ForwardBatch:
 
     def rope_seq_lens(self) -> torch.Tensor:
         """Each row's rope length (long [T]) for a length-dependent rope (met.layers.rotary):
-        the length its request reaches at the end of this step, or, for rows that attend
-        apart (a speculative verify), the length at that row, as the decode it stands for."""
+        a prompt position takes its request's prompt length, a generated one its own
+        length (position + 1), as transformers' generate sees them (the whole prompt in
+        one forward, then one token per forward) however the prompt is chunked, batched,
+        recomputed after a preemption or verified speculatively."""
         lens = self.memo.get("rope_seq_lens")
         if lens is None:
-            lens = torch.zeros_like(self.positions)
+            prompt = torch.zeros_like(self.positions)
             for s in self.seqs:
-                rows = slice(s.q_start, s.q_start + s.q_len)
-                if s.rows_apart:
-                    lens[rows] = self.positions[rows] + 1
-                else:
-                    lens[rows] = s.ctx_len
-            self.memo["rope_seq_lens"] = lens
+                prompt[s.q_start:s.q_start + s.q_len] = s.prompt_len
+            lens = self.memo["rope_seq_lens"] = torch.maximum(prompt, self.positions + 1)
         return lens
 
     def varlen(self) -> VarlenMeta:

@@ -2,14 +2,15 @@
 
 Rope types (``rope_type`` in a rope parameter dict, as transformers names them): default,
 linear, llama3 and yarn change the frequencies once, so cos/sin are tabulated once. dynamic
-(NTK) and longrope depend on the sequence length; transformers takes it from the batch's
-highest position on every forward, and keeps the keys already in its KV cache as they were
-rotated. met takes it per request: a token's rope length is the length its request reaches
-at the end of the step that computes it (``ForwardBatch.rope_seq_lens``). For one sequence
-whose prompt runs in one step and whose tokens are decoded one at a time, that is exactly
-what transformers' ``generate`` does; it is batch invariant (a request never depends on its
-batch mates, which the transformers rule would make it); a prompt split into prefill chunks
-gets what transformers gives when fed the same chunks.
+(NTK) and longrope depend on the sequence length: transformers takes it from the batch's
+highest position on every forward and keeps the keys already in its KV cache as they were
+rotated, so in ``generate`` the prompt is rotated for the prompt's length and each
+generated token for the length it makes. met gives every token that length from its own
+request (``ForwardBatch.rope_seq_lens``: max(prompt length, position + 1)): exactly
+transformers' generate for one sequence, and the same however the prompt is chunked or
+batched (transformers' rule would make a row depend on its batch mates). Prefix-cache
+blocks of such a model carry the prompt's rope state (`rope_prefix_key`) so a hit is
+served only KV rotated as a miss would rotate it.
 """
 
 from __future__ import annotations
@@ -196,6 +197,13 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("cos_long", cos_long, persistent=False)
             self.register_buffer("sin_long", sin_long, persistent=False)
 
+    def prefix_key(self, prompt_len: int) -> int:
+        """What of a prompt's length its KV depends on: 0 within the original length (no
+        scaling), else the length (dynamic) or 1 (longrope: the long factors)."""
+        if not self.length_dependent or prompt_len <= self.original_len:
+            return 0
+        return prompt_len if self.rope_type == "dynamic" else 1
+
     def seq_lens(self, batch: Any) -> torch.Tensor | None:
         """What ``seq_lens`` takes from a `ForwardBatch`: its rows' rope lengths when this rope
         needs them, else None (nothing computed)."""
@@ -312,6 +320,23 @@ def rope_length_limit(config: Any, params: dict[str, Any]) -> tuple[int, str]:
                     f"x factor {factor}")
 
 
+def model_length_limit(config: Any) -> tuple[int, str]:
+    """`rope_length_limit` of a model: with a rope per layer type (Gemma 3's sliding and
+    full layers), the smallest."""
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = [t for t, v in params.items() if isinstance(v, dict)]
+    limits = [rope_length_limit(config, rope_parameters(config, t)) for t in nested]
+    return min(limits) if limits else rope_length_limit(config, rope_parameters(config))
+
+
 def has_length_dependent_rope(module: nn.Module) -> bool:
     """Whether any rotary in ``module`` depends on the sequence length (dynamic, longrope)."""
     return any(isinstance(m, RotaryEmbedding) and m.length_dependent for m in module.modules())
+
+
+def rope_prefix_key(module: nn.Module, prompt_len: int) -> tuple:
+    """The prefix-cache extra key of a prompt of ``prompt_len`` tokens: () unless a
+    length-dependent rope rotates the prompt differently from an unscaled one."""
+    keys = tuple(m.prefix_key(prompt_len) for m in module.modules()
+                 if isinstance(m, RotaryEmbedding) and m.length_dependent)
+    return ("rope", keys) if any(keys) else ()

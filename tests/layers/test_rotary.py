@@ -17,6 +17,7 @@ from met.layers.rotary import (
     rope_inv_freq,
     rope_length_limit,
     rope_parameters,
+    rope_prefix_key,
 )
 
 HEAD_DIM = 16
@@ -143,15 +144,27 @@ def test_length_rule_is_per_request():
 
 
 def test_batch_rope_seq_lens():
-    """A prefill chunk's rows take the request's length at the end of the step; a
-    speculative verify's rows (rows_apart) the length at each row."""
+    """Prompt positions take the request's prompt length (whatever chunk they run in),
+    generated ones (decodes, speculative drafts) their own length."""
     slots = torch.arange(64)
-    seqs = (SeqSpan(0, 3, 10, slots[:10]), SeqSpan(3, 1, 40, slots[:40]),
-            SeqSpan(4, 2, 22, slots[:22], rows_apart=True))
-    positions = torch.tensor([7, 8, 9, 39, 20, 21])
-    batch = ForwardBatch(input_ids=torch.zeros(6, dtype=torch.long), positions=positions,
-                         slot_mapping=torch.zeros(6, dtype=torch.long), seqs=seqs)
-    assert batch.rope_seq_lens().tolist() == [10, 10, 10, 40, 21, 22]
+    seqs = (SeqSpan(0, 3, 10, slots[:10], prompt_len=30),  # a prefill chunk
+            SeqSpan(3, 1, 40, slots[:40], prompt_len=30),  # a decode
+            SeqSpan(4, 3, 32, slots[:32], rows_apart=True, prompt_len=30))  # a verify
+    positions = torch.tensor([7, 8, 9, 39, 29, 30, 31])
+    batch = ForwardBatch(input_ids=torch.zeros(7, dtype=torch.long), positions=positions,
+                         slot_mapping=torch.zeros(7, dtype=torch.long), seqs=seqs)
+    assert batch.rope_seq_lens().tolist() == [30, 30, 30, 40, 30, 31, 32]
+
+
+def test_prefix_key_separates_prompt_rope_states():
+    dyn = RotaryEmbedding(HEAD_DIM, 256, rope_parameters(_config(ROPES["dynamic"])))
+    lr = RotaryEmbedding(HEAD_DIM, 256, rope_parameters(_config(ROPES["longrope"])))
+    both = torch.nn.ModuleList([dyn, lr])
+    assert rope_prefix_key(both, 10) == ()  # unscaled in both: shares blocks with anyone
+    assert rope_prefix_key(both, 40) == ("rope", (0, 1))  # past longrope's 16 only
+    assert rope_prefix_key(both, 70) == ("rope", (70, 1))
+    plain = RotaryEmbedding(HEAD_DIM, 256, {"rope_theta": 1e4})
+    assert rope_prefix_key(plain, 1000) == () and not plain.length_dependent
 
 
 @pytest.mark.parametrize(("rope", "max_pos", "extra", "limit"), [
