@@ -316,8 +316,10 @@ def rope_length_limit(config: Any, params: dict[str, Any]) -> tuple[int, str]:
     scaled = int(original * float(factor))
     if scaled <= max_pos:
         return max_pos, f"max_position_embeddings {max_pos}, rope_type {rope_type!r}"
-    return scaled, (f"rope_type {rope_type!r}: original_max_position_embeddings {original} "
-                    f"x factor {factor}")
+    # dynamic NTK's original length is max_position_embeddings (rope_parameters).
+    name = ("max_position_embeddings" if rope_type == "dynamic"
+            else "original_max_position_embeddings")
+    return scaled, f"rope_type {rope_type!r}: {name} {original} x factor {factor}"
 
 
 def model_length_limit(config: Any) -> tuple[int, str]:
