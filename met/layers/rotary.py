@@ -56,7 +56,14 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any], seq_len: int | None = N
     base = float(_need(params, "rope_theta"))
     inv_freq = 1.0 / (base ** _exponents(head_dim))
     if rope_type == "default":
-        return inv_freq, 1.0
+        factors = params.get("freq_factors")
+        if factors is None:
+            return inv_freq, 1.0
+        # A Llama-3 GGUF's rope_freqs tensor (met.loader.gguf): one divisor per frequency.
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"rope_parameters.freq_factors: has {len(factors)} entries, the "
+                             f"rotary dimension needs head_dim // 2 = {head_dim // 2}")
+        return inv_freq / torch.tensor(factors, dtype=torch.float32), 1.0
     if rope_type == "linear":
         return inv_freq / float(_need(params, "factor")), 1.0
     if rope_type == "llama3":
