@@ -338,11 +338,6 @@ def model_length_limit(config: Any) -> tuple[int, str]:
     return min(limits) if limits else rope_length_limit(config, rope_parameters(config))
 
 
-def has_length_dependent_rope(module: nn.Module) -> bool:
-    """Whether any rotary in ``module`` depends on the sequence length (dynamic, longrope)."""
-    return any(isinstance(m, RotaryEmbedding) and m.length_dependent for m in module.modules())
-
-
 def rope_prefix_key(module: nn.Module, prompt_len: int) -> tuple:
     """The prefix-cache extra key of a prompt of ``prompt_len`` tokens: () unless a
     length-dependent rope rotates the prompt differently from an unscaled one."""

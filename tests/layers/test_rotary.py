@@ -13,7 +13,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from met.layers.batch import ForwardBatch, SeqSpan
 from met.layers.rotary import (
     RotaryEmbedding,
-    has_length_dependent_rope,
     rope_inv_freq,
     rope_length_limit,
     rope_parameters,
@@ -128,7 +127,7 @@ def test_length_rule_is_per_request():
     length, the same as when the request runs alone (batch invariance)."""
     params = rope_parameters(_config(ROPES["dynamic"]))
     rope = RotaryEmbedding(HEAD_DIM, 256, params)
-    assert rope.length_dependent and has_length_dependent_rope(torch.nn.ModuleList([rope]))
+    assert rope.length_dependent
     short = torch.arange(20)
     long_ = torch.arange(90)
     pos = torch.cat([short, long_])
