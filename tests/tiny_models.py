@@ -23,6 +23,9 @@ the ~1e-5 float32 disagreement between two implementations and ~3.5e-3 of the lo
 median margins are ~0.8-1.1; every 32-token continuation has >= 18 distinct tokens.
 qwen3_moe's smallest gap between the 2nd and 3rd router probability is ~1.4e-4.
 Building all eight checkpoints takes ~0.2 s after the ~1.5 s transformers import.
+The scaled-rope archs (llama_yarn, llama_dynamic, llama_longrope) start or cross their
+original length of 32 on every test prompt; for the length-dependent ones (dynamic,
+longrope) the reference is transformers' cached generate (``generate_trace``).
 """
 
 from __future__ import annotations
