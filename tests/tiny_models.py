@@ -25,6 +25,9 @@ qwen3_moe's smallest gap between the 2nd and 3rd router probability is ~1.4e-4 (
 2.5e-4, gpt_oss's 1.3e-4; transformers 5.25). gpt_oss's attention sinks are N(-1, 1): with
 larger ones the tiny model attends to little and repeats itself.
 Building all eight checkpoints takes ~0.2 s after the ~1.5 s transformers import.
+The scaled-rope archs (llama_yarn, llama_dynamic, llama_longrope) start or cross their
+original length of 32 on every test prompt; for the length-dependent ones (dynamic,
+longrope) the reference is transformers' cached generate (``generate_trace``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ ARCHS = (
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
+    "llama_yarn",
+    "llama_dynamic",
+    "llama_longrope",
 )
 
 # Shared shape of every tiny model.
@@ -67,6 +73,11 @@ SLIDING_WINDOW = 8
 LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
 GPT_OSS_SWIGLU_LIMIT = 1.5
+# Scaled ropes (yarn, dynamic NTK, longrope): an original length of 32, so the 40- and
+# 75-token prompts start past it and the 5- and 17-token ones cross it while decoding.
+# dynamic NTK grows from max_position_embeddings, so llama_dynamic's is 32 (factor 8: met
+# allows 256 tokens).
+SCALED_ROPE_ORIGINAL_MAX_POS = 32
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -80,10 +91,14 @@ VOCAB = {
     "qwen3_moe": 384,
     "mixtral": 352,
     "gpt_oss": 416,
+    "llama_yarn": 384,
+    "llama_dynamic": 352,
+    "llama_longrope": 320,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
-ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3", "mixtral"}
+ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3", "mixtral",
+            "llama_yarn", "llama_dynamic", "llama_longrope"}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN = "<|endoftext|>"
@@ -147,6 +162,9 @@ SPECS = {
     "qwen3_moe": ArchSpec(seed_offset=2),
     "mixtral": ArchSpec(seed_offset=5),
     "gpt_oss": ArchSpec(seed_offset=2),
+    "llama_yarn": ArchSpec(seed_offset=8),
+    "llama_dynamic": ArchSpec(seed_offset=1),
+    "llama_longrope": ArchSpec(seed_offset=3),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -162,6 +180,11 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "qwen3_moe": (0.0383, 1.016, 20),
     "mixtral": (0.0116, 0.889, 26),
     "gpt_oss": (0.0241, 1.055, 13),
+    # transformers 5.25.0; the length-dependent ropes against transformers' cached generate
+    # (generate_trace).
+    "llama_yarn": (0.0106, 0.796, 24),
+    "llama_dynamic": (0.0204, 0.843, 15),
+    "llama_longrope": (0.0133, 1.018, 20),
 }
 
 
@@ -327,6 +350,37 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    if arch == "llama_yarn":
+        return tf.LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": MAX_POS / SCALED_ROPE_ORIGINAL_MAX_POS,
+                "original_max_position_embeddings": SCALED_ROPE_ORIGINAL_MAX_POS,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+            },
+        )
+    if arch == "llama_dynamic":
+        common["max_position_embeddings"] = SCALED_ROPE_ORIGINAL_MAX_POS
+        return tf.LlamaConfig(
+            **common, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                       "factor": 8.0},
+        )
+    if arch == "llama_longrope":
+        half = head_dim // 2
+        return tf.LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": SCALED_ROPE_ORIGINAL_MAX_POS,
+                "factor": MAX_POS / SCALED_ROPE_ORIGINAL_MAX_POS,
+                "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                "long_factor": [1.0 + 2.0 * i for i in range(half)],
+            },
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -344,6 +398,9 @@ def _model_class(arch: str):
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "mixtral": tf.MixtralForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
+        "llama_yarn": tf.LlamaForCausalLM,
+        "llama_dynamic": tf.LlamaForCausalLM,
+        "llama_longrope": tf.LlamaForCausalLM,
     }[arch]
 
 
@@ -573,10 +630,54 @@ def greedy_trace(model, prompt_ids, max_new_tokens: int) -> GreedyTrace:
     )
 
 
+def generate_trace(model, prompt_ids, max_new_tokens: int, chunk: int = 0) -> GreedyTrace:
+    """The oracle of a length-dependent rope (dynamic NTK, LongRoPE): transformers' own
+    cached greedy generate, logprobs from each step's logits. Its rope rotates the prompt
+    for the prompt's length and each new token for the length it makes, keeping cached keys
+    as they were; a full-context forward instead rotates every position for the whole
+    context, so `greedy_trace`'s teacher-forced check does not apply. ``model`` must be
+    fresh (a dynamic rope keeps its longest length across calls). ``chunk``: feed the
+    prompt in pieces of that many tokens."""
+    new_api = "cache" in inspect.signature(model.forward).parameters
+    cache_kw = "cache" if new_api else "past_key_values"
+    prompt = [int(t) for t in prompt_ids]
+    pieces = [prompt[i:i + chunk] for i in range(0, len(prompt), chunk)] if chunk else [prompt]
+    rows, tokens, past = [], [], None
+    with torch.inference_mode():
+        for piece in pieces + [None] * (max_new_tokens - 1):
+            ids = piece if piece is not None else [tokens[-1]]
+            kw = {cache_kw: past} if past is not None else {}
+            out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True, **kw)
+            past = out.cache if new_api else out.past_key_values
+            if piece is None or piece is pieces[-1]:
+                rows.append(out.logits[0, -1].to(torch.float64))
+                tokens.append(int(rows[-1].argmax()))
+        rows = torch.stack(rows)
+        logprobs = torch.log_softmax(rows, dim=-1)
+        top2 = torch.topk(rows, 2, dim=-1).values
+    return GreedyTrace(
+        tokens=tokens,
+        logprobs=[float(logprobs[i, t]) for i, t in enumerate(tokens)],
+        margins=[float(m) for m in (top2[:, 0] - top2[:, 1])],
+        rows_logprobs=logprobs.to(torch.float32),
+    )
+
+
+def length_dependent_rope(model_dir) -> bool:
+    """Whether the checkpoint's rope depends on the sequence length (dynamic, longrope)."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope")
+
+
 @functools.lru_cache(maxsize=512)
 def _hf_greedy_cached(
     model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int
 ) -> GreedyTrace:
+    if length_dependent_rope(model_dir):
+        return generate_trace(load_hf_model_with(model_dir), prompt_ids, max_new_tokens)
     return greedy_trace(load_hf_model(model_dir), prompt_ids, max_new_tokens)
 
 

@@ -176,10 +176,15 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     experts = _MoEMetadata(file.get(f"{arch}.expert_count"),
                            file.get(f"{arch}.expert_used_count"),
                            file.get(f"{arch}.expert_feed_forward_length"))
+    rope = gguf_rope_scaling(file)
     del file  # the memory map of the whole file: dropped before transformers opens its own
 
     config, tokenizer = load_config_and_tokenizer(path)
     config = _moe_config(config, arch, experts)
+    if rope:  # transformers reads only rope.freq_base from a llama-family GGUF
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        config.rope_parameters = params | rope
     return GGUFCheckpoint(
         config=config,
         tokenizer=tokenizer,
@@ -215,6 +220,32 @@ def _moe_config(config: PretrainedConfig, arch: str, experts: _MoEMetadata
         mixtral._name_or_path = getattr(config, "_name_or_path", "")
         return mixtral
     return config
+def gguf_rope_scaling(file: GGUFFile) -> dict:
+    """Rope scaling from llama.cpp's metadata as rope parameters (met.layers.rotary): the
+    ``{arch}.rope.scaling.*`` keys (linear, yarn) and a Llama-3 ``rope_freqs`` tensor, the
+    per-frequency divisors llama.cpp computes from the llama3 parameters (kept as
+    ``freq_factors``: the parameters themselves are not in the file). {} when unscaled."""
+    arch = file.get(gguf.Keys.General.ARCHITECTURE)
+    key = lambda name: getattr(gguf.Keys.Rope, name).format(arch=arch)  # noqa: E731
+    out: dict = {}
+    kind = file.get(key("SCALING_TYPE"))
+    factor = file.get(key("SCALING_FACTOR"))
+    original = file.get(key("SCALING_ORIG_CTX_LEN"))
+    if kind in ("linear", "yarn") and factor is not None and float(factor) != 1.0:
+        out = {"rope_type": kind, "factor": float(factor)}
+        if original:
+            out["original_max_position_embeddings"] = int(original)
+        for gguf_key, name in (("SCALING_YARN_BETA_FAST", "beta_fast"),
+                               ("SCALING_YARN_BETA_SLOW", "beta_slow")):
+            if kind == "yarn" and file.get(key(gguf_key)) is not None:
+                out[name] = float(file.get(key(gguf_key)))
+    elif kind not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"{key('SCALING_TYPE')}: {kind!r} is not supported; supported: "
+                         "none, linear, yarn")
+    freqs = next((t for t in file.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        out["freq_factors"] = [float(v) for v in np.asarray(freqs.data, dtype=np.float32)]
+    return out
 
 
 def _architecture(file: GGUFFile) -> str:

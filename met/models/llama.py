@@ -88,14 +88,14 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x)
             hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             qk = self.rotary.apply_(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d),
-                                    batch.positions, batch.memo)
+                                    batch.positions, batch.memo, self.rotary.seq_lens(batch))
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         else:
             q, k, v = project_qkv(self, x)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(batch.positions, q, k, batch.memo)
+            q, k = self.rotary(batch.positions, q, k, batch.memo, self.rotary.seq_lens(batch))
         o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, -1))
 
@@ -103,7 +103,8 @@ class Attention(nn.Module):
         """Whether the fused path (`LlamaForCausalLM._forward_fused`) applies: fused q|k|v,
         no q/k norm, rope tables in float32."""
         return (hasattr(self, "qkv_proj") and self.q_norm is None
-                and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0)
+                and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0
+                and not self.rotary.length_dependent)
 
 
 def qkv_bias_only(config: Any) -> bool:
