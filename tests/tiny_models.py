@@ -46,6 +46,7 @@ ARCHS = (
     "qwen3",
     "gemma3",
     "qwen3_moe",
+    "bamba",
 )
 
 # Shared shape of every tiny model.
@@ -62,6 +63,7 @@ SLIDING_WINDOW = 8
 # first pair is kept, the next two are smoothly interpolated and the rest divided by 8.
 LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
+BAMBA_NUM_LAYERS = 3
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -73,6 +75,7 @@ VOCAB = {
     "qwen3": 384,
     "gemma3": 448,
     "qwen3_moe": 384,
+    "bamba": 400,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
@@ -138,6 +141,8 @@ SPECS = {
     # sharper q/k norms keep attention from averaging everything into a constant.
     "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
     "qwen3_moe": ArchSpec(seed_offset=2),
+    # Mamba-2 hybrid: mamba, attention, mamba (BAMBA_LAYER_TYPES).
+    "bamba": ArchSpec(seed_offset=0),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -151,6 +156,7 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "qwen3": (0.0186, 0.909, 19),
     "gemma3": (0.0208, 1.064, 21),
     "qwen3_moe": (0.0383, 1.016, 20),
+    "bamba": (0.0154, 1.056, 26),  # transformers 5.25
 }
 
 
@@ -294,6 +300,23 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             },
         )
+    if arch == "bamba":
+        # Three layers (mamba, attention, mamba) so state slots are indexed per mamba layer;
+        # two groups of B/C, and HF's scan chunk (32) off met's 16-token block grid.
+        common.update(num_hidden_layers=BAMBA_NUM_LAYERS)
+        return tf.BambaConfig(
+            **common,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=32,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -309,6 +332,7 @@ def _model_class(arch: str):
         "qwen3": tf.Qwen3ForCausalLM,
         "gemma3": tf.Gemma3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "bamba": tf.BambaForCausalLM,
     }[arch]
 
 
@@ -363,6 +387,15 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                 # nn.Linear weights are (out, in); fused MoE experts are (E, out, in).
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) * (spec.gain / math.sqrt(fan_in)))
+            elif name.endswith(".mamba.A_log"):  # decay rates A = -exp(A_log) in [-8, -0.5]
+                p.copy_(torch.empty(p.shape).uniform_(math.log(0.5), math.log(8.0),
+                                                      generator=gen))
+            elif name.endswith(".mamba.D"):
+                p.copy_(u(p.shape))
+            elif name.endswith(".mamba.dt_bias"):  # softplus(dt_bias) log-uniform in [0.01, 0.3]
+                dt = torch.exp(torch.empty(p.shape).uniform_(math.log(0.01), math.log(0.3),
+                                                             generator=gen))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             else:
                 raise RuntimeError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from met.models.bamba import BambaForCausalLM
 from met.models.base import CausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
 from met.models.llama import LlamaForCausalLM
@@ -15,6 +16,7 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -25,6 +27,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
