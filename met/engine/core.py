@@ -133,11 +133,6 @@ class EngineCore:
         if self.loaded.model.state_layout is None:
             return None
         config = self.config
-        if config.speculative_config is not None:
-            raise ValueError(
-                "speculative_config: this hybrid state-space model "
-                f"({type(self.loaded.model).__name__}) cannot roll its recurrent state back "
-                "past rejected drafts yet; serve it without speculative decoding")
         snapshots = config.state_snapshots
         if snapshots is None:
             snapshots = 4 * config.max_num_seqs if config.enable_prefix_caching else 0
@@ -163,6 +158,10 @@ class EngineCore:
                                self.config.cache_dir, self.config.quantization,
                                self.config.max_num_seqs, self.config.dtype == "auto")
             _check_same_vocabulary(self.loaded, draft)
+            if draft.model.state_layout is not None:
+                raise ValueError("speculative_config.model: a hybrid state-space draft model "
+                                 "is not supported (its drafter keeps no state slots); use "
+                                 "an attention-only draft, ngram or suffix")
             model, name = draft.model, "draft_model"
             backend = ("cpu-native" if draft.kernel_plan is None
                        else draft.kernel_plan.attention.name)
@@ -442,6 +441,8 @@ class EngineCore:
                 continue
             if d and not req.is_finished:
                 self.kv.truncate(req.request_id, req.num_tokens)  # the rejected drafts' blocks
+                if self.state is not None and accepted[i] < len(d):  # and their state
+                    self.runner.rollback_state(req.state_slot, 1 + accepted[i])
             first = (req.num_output_tokens == len(emitted[i])
                      and req.params.prompt_logprobs is not None)
             updates.append(RequestUpdate(

@@ -61,12 +61,15 @@ class StateStep:
     into its chunk, row): after that many of its new tokens, at a block boundary, the state
     is also copied into that snapshot row. The scan's chunks lie on the grid of ``chunk``
     absolute positions (the KV block size), so every block boundary's state is at hand.
+    Sequences in ``keep`` (speculative verifies) keep the state after each of their tokens,
+    for a rollback past rejected drafts.
     """
 
     caches: list
     slots: tuple[int, ...]
     saves: tuple[tuple[int, int, int], ...] = ()
     chunk: int = 16
+    keep: frozenset[int] = frozenset()
 
     def saves_by_seq(self) -> dict[int, tuple[tuple[int, int], ...]]:
         out: dict[int, list[tuple[int, int]]] = {}

@@ -10,12 +10,14 @@ A prompt chunk runs the chunked SSD scan from its slot's state; a decode row run
 of the recurrence, all decode rows at once. The scan's chunks sit on the absolute positions'
 grid of ``StateStep.chunk`` (the KV block size), so the state at every block boundary of a
 chunk is a by-product: `StateStep.saves` copies the requested ones into snapshot rows (the
-prefix cache's state at that block, `met.cache.state_slots`).
+prefix cache's state at that block, `met.cache.state_slots`). A speculative verify chunk
+(`StateStep.keep`) runs the scan one token per chunk and keeps the state after each of its
+tokens, so the engine can roll the slot back to the last accepted draft (`rollback`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +47,8 @@ class MambaStateCache:
 
     conv: torch.Tensor  # [rows, conv_dim, conv_len], the activation dtype
     ssm: torch.Tensor  # [rows, num_heads, head_dim, state_size], float32
+    # This step's verify chunks: slot → (conv, ssm) state after each of their tokens.
+    verify: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @staticmethod
     def allocate(layout: MambaLayout, rows: int, dtype: torch.dtype,
@@ -61,6 +65,13 @@ class MambaStateCache:
     def zero_row(self, row: int) -> None:
         self.conv[row].zero_()
         self.ssm[row].zero_()
+
+    def rollback(self, slot: int, num_tokens: int) -> None:
+        """Make ``slot`` hold its state after the first ``num_tokens`` tokens of this step's
+        verify chunk (the rest were rejected drafts)."""
+        conv, ssm = self.verify[slot]
+        self.conv[slot] = conv[num_tokens - 1]
+        self.ssm[slot] = ssm[num_tokens - 1]
 
     def nbytes(self) -> int:
         return (self.conv.numel() * self.conv.element_size()
@@ -149,8 +160,10 @@ class Mamba2Mixer(nn.Module):
             if span.q_len == 1 and i not in saves:
                 continue
             rows = slice(span.q_start, span.q_start + span.q_len)
+            keep = i in step.keep
             y[rows] = self._prefill(xbc[rows], dt[rows], span.ctx_len - span.q_len,
-                                    step.slots[i], saves.get(i, ()), step.chunk, cache)
+                                    step.slots[i], saves.get(i, ()),
+                                    1 if keep else step.chunk, cache, keep)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,11 +199,12 @@ class Mamba2Mixer(nn.Module):
         y[rows] = out.reshape(len(seq_ids), self.inner)
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, start: int, slot: int,
-                 saves: tuple[tuple[int, int], ...], chunk: int, cache: MambaStateCache
-                 ) -> torch.Tensor:
+                 saves: tuple[tuple[int, int], ...], chunk: int, cache: MambaStateCache,
+                 keep: bool = False) -> torch.Tensor:
         """One sequence's ``L`` new tokens from absolute position ``start``: conv, then the
         chunked scan from the slot's state; the slot ends holding the state after them.
-        ``saves``: (tokens into this chunk, snapshot row) at block boundaries."""
+        ``saves``: (tokens into this chunk, snapshot row) at chunk boundaries. ``keep``
+        (chunk 1): keep the state after each token in ``cache.verify``."""
         length = xbc.shape[0]
         window = torch.cat([cache.conv[slot], xbc.t().to(cache.conv.dtype)], dim=-1)
         k = self.kernel - 1
@@ -203,6 +217,9 @@ class Mamba2Mixer(nn.Module):
         a = -torch.exp(self.A_log.float())
         out, states = ssd_scan(xs, dt, a, b, c, cache.ssm[slot], start % chunk, chunk)
         cache.ssm[slot] = states[-1]
+        if keep:
+            convs = window.unfold(1, k, 1)[:, 1:].permute(1, 0, 2)  # [L, C, K-1]
+            cache.verify[slot] = (convs.clone(), states[1:].clone())
         lead = start % chunk
         for offset, row in saves:
             cache.ssm[row] = states[(lead + offset) // chunk]

@@ -116,6 +116,8 @@ class ModelRunner:
     def _state_step(self, items: list[ScheduledRequest]) -> StateStep:
         """Set each request's state slot up for this step (a prefix hit restores its
         snapshot, a fresh start zeroes it) and say which boundary states to save."""
+        for cache in self.state_caches:
+            cache.verify.clear()  # the last step's rollback points
         for item in items:
             slot = item.state_slot
             if slot < 0:
@@ -128,8 +130,15 @@ class ModelRunner:
                     cache.zero_row(slot)
         saves = tuple((i, offset, row) for i, item in enumerate(items)
                       for offset, row in item.state_saves)
+        keep = frozenset(i for i, item in enumerate(items) if item.spec_token_ids)
         return StateStep(self.state_caches, tuple(item.state_slot for item in items), saves,
-                         self.block_size)
+                         self.block_size, keep)
+
+    def rollback_state(self, slot: int, num_tokens: int) -> None:
+        """After a verify: the state of ``slot`` as of its first ``num_tokens`` tokens of the
+        step (the target's token and the accepted drafts)."""
+        for cache in self.state_caches:
+            cache.rollback(slot, num_tokens)
 
     def _prompt_logits(self, items: list[ScheduledRequest],
                        hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
