@@ -282,3 +282,17 @@ def test_hybrid_without_attention_layer_is_refused(tiny_checkpoint, tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="attn_layer_indices"):
         make_llm(model_dir)
+
+
+def test_state_snapshots_flag_reaches_the_engine_config(tiny_checkpoint):
+    import argparse
+
+    from met.cli.args import add_engine_args, engine_config
+    from met.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([str(tiny_checkpoint(ARCH)), "--state-snapshots", "5"])
+    assert engine_config(args).state_snapshots == 5
+    with pytest.raises(ValueError, match="state_snapshots: must be >= 0"):
+        EngineConfig(state_snapshots=-1)
