@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from tiny_models import (
     ARCHS,
-    BAMBA_NUM_LAYERS,
+    HYBRID_NUM_LAYERS,
     MAX_NEW_TOKENS,
     PROMPT_LENS,
     SLIDING_WINDOW,
@@ -363,7 +363,8 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
     config = json.loads((model_dir / "config.json").read_text())
     tensors = _tensors(model_dir)
     assert all(t.dtype == torch.float32 for t in tensors.values())
-    assert config["num_hidden_layers"] == (BAMBA_NUM_LAYERS if arch == "bamba" else 2)
+    hybrid = arch in ("bamba", "qwen3_next")
+    assert config["num_hidden_layers"] == (HYBRID_NUM_LAYERS if hybrid else 2)
     assert config["hidden_size"] == 64
     assert config["head_dim"] == 16 and config["num_attention_heads"] == 4
     assert config["num_key_value_heads"] == 2
@@ -397,6 +398,12 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
             for name in ("A_log", "D", "dt_bias", "conv1d.bias"):
                 t = tensors[f"model.layers.{layer}.mamba.{name}"]
                 assert t.std() > 0.05, (layer, name)
+    if arch == "qwen3_next":  # linear, full, linear attention; the full one's q is doubled
+        assert config["layer_types"][1] == "full_attention"
+        assert tensors["model.layers.1.self_attn.q_proj.weight"].shape[0] == 2 * 4 * 16
+        for layer in (0, 2):
+            for name in ("A_log", "dt_bias"):
+                assert tensors[f"model.layers.{layer}.linear_attn.{name}"].std() > 0.05
 
     tokenizer = load_tokenizer(str(model_dir))
     assert len(tokenizer) == config["vocab_size"]

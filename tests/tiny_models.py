@@ -47,6 +47,7 @@ ARCHS = (
     "gemma3",
     "qwen3_moe",
     "bamba",
+    "qwen3_next",
 )
 
 # Shared shape of every tiny model.
@@ -63,7 +64,7 @@ SLIDING_WINDOW = 8
 # first pair is kept, the next two are smoothly interpolated and the rest divided by 8.
 LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
-BAMBA_NUM_LAYERS = 3
+HYBRID_NUM_LAYERS = 3
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -76,6 +77,7 @@ VOCAB = {
     "gemma3": 448,
     "qwen3_moe": 384,
     "bamba": 400,
+    "qwen3_next": 368,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
@@ -141,8 +143,10 @@ SPECS = {
     # sharper q/k norms keep attention from averaging everything into a constant.
     "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
     "qwen3_moe": ArchSpec(seed_offset=2),
-    # Mamba-2 hybrid: mamba, attention, mamba (BAMBA_LAYER_TYPES).
+    # Mamba-2 hybrid: mamba, attention, mamba (attn_layer_indices [1]).
     "bamba": ArchSpec(seed_offset=0),
+    # Gated delta-net hybrid: linear, full, linear attention (dense MLPs).
+    "qwen3_next": ArchSpec(seed_offset=0),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -157,6 +161,7 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "gemma3": (0.0208, 1.064, 21),
     "qwen3_moe": (0.0383, 1.016, 20),
     "bamba": (0.0154, 1.056, 26),  # transformers 5.25
+    "qwen3_next": (0.0332, 1.946, 27),  # transformers 5.25
 }
 
 
@@ -303,7 +308,7 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
     if arch == "bamba":
         # Three layers (mamba, attention, mamba) so state slots are indexed per mamba layer;
         # two groups of B/C, and HF's scan chunk (32) off met's 16-token block grid.
-        common.update(num_hidden_layers=BAMBA_NUM_LAYERS)
+        common.update(num_hidden_layers=HYBRID_NUM_LAYERS)
         return tf.BambaConfig(
             **common,
             attn_layer_indices=[1],
@@ -316,6 +321,24 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
             mamba_chunk_size=32,
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "qwen3_next":
+        # Same three-layer pattern as bamba; 4 value heads over 2 key heads; dense MLPs only
+        # (met does not run Qwen3-Next's shared-expert MoE).
+        common.update(num_hidden_layers=HYBRID_NUM_LAYERS)
+        return tf.Qwen3NextConfig(
+            **common,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=0,
+            mlp_only_layers=[0, 1, 2],
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25},
         )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
@@ -333,6 +356,7 @@ def _model_class(arch: str):
         "gemma3": tf.Gemma3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "bamba": tf.BambaForCausalLM,
+        "qwen3_next": tf.Qwen3NextForCausalLM,
     }[arch]
 
 
@@ -396,6 +420,13 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                 dt = torch.exp(torch.empty(p.shape).uniform_(math.log(0.01), math.log(0.3),
                                                              generator=gen))
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif name.endswith(".linear_attn.A_log"):
+                # -exp(A_log) in [-0.5, -0.02]: a memory of tens of tokens, so a wrong state
+                # restored at a block boundary still shows in the output after the prompt.
+                p.copy_(torch.empty(p.shape).uniform_(math.log(0.02), math.log(0.5),
+                                                      generator=gen))
+            elif name.endswith(".linear_attn.dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
             else:
                 raise RuntimeError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
 

@@ -8,6 +8,7 @@ from met.models.bamba import BambaForCausalLM
 from met.models.base import CausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
 from met.models.llama import LlamaForCausalLM
+from met.models.qwen3_next import Qwen3NextForCausalLM
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +18,7 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -28,6 +30,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "bamba": "BambaForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)

@@ -56,3 +56,35 @@ def test_gated_rms_norm_normalises_each_group():
         part = h[:, 4 * g:4 * g + 4]
         want = part / part.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
         torch.testing.assert_close(out[:, 4 * g:4 * g + 4], want)
+
+
+def test_gated_delta_rule_matches_transformers_chunked_form():
+    """met's token-by-token delta rule (decode rows batched) gives transformers' chunked
+    form (chunk 64, the prefill reference) on 70 tokens from a non-zero state."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as ref
+
+    from met.layers.gated_delta import GatedDeltaNet
+
+    class Cfg:
+        hidden_size, linear_num_value_heads, linear_num_key_heads = 32, 4, 2
+        linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim = 8, 8, 4
+        rms_norm_eps, hidden_act = 1e-6, "silu"
+
+    net = GatedDeltaNet(Cfg, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    t, nk, nv, dk, dv = 70, 2, 4, 8, 8
+    conv = torch.randn(t, 2 * nk * dk + nv * dv, generator=gen)
+    g = -torch.rand(t, nv, generator=gen)
+    beta = torch.rand(t, nv, generator=gen)
+    s0 = torch.randn(1, nv, dk, dv, generator=gen) * 0.1
+    s, outs = s0, []
+    for i in range(t):
+        s, out = net._rule(conv[i:i + 1], g[i:i + 1], beta[i:i + 1], s)
+        outs.append(out[0])
+    q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    want, final = ref.torch_chunk_gated_delta_rule(
+        q.view(1, t, nk, dk), k.view(1, t, nk, dk), v.view(1, t, nv, dv), g=g[None],
+        beta=beta[None], initial_state=s0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(torch.stack(outs), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, final, atol=1e-4, rtol=1e-4)
