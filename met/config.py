@@ -204,6 +204,10 @@ class EngineConfig:
     # "mean" over the prompt's final-norm hidden states, and whether to L2-normalize.
     pooling: str = "last"
     normalize_embeddings: bool = True
+    # Hybrid state-space models: how many prefix-cache snapshots of the recurrent state (one
+    # per cached block boundary, LRU) to keep; None: 4 x max_num_seqs (0 without prefix
+    # caching). Each takes one request's state of every mixer layer.
+    state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.lora_modules:
@@ -225,6 +229,8 @@ class EngineConfig:
             raise ValueError(f"block_size: must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots: must be >= 0, got {self.state_snapshots}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens: must be >= block_size ({self.block_size}), "

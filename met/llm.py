@@ -80,6 +80,7 @@ class LLM:
         lora_backend: str = "auto",
         pooling: str = "last",
         normalize_embeddings: bool = True,
+        state_snapshots: int | None = None,
     ):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -91,7 +92,7 @@ class LLM:
             speculative_config=speculative_config, enable_lora=enable_lora,
             lora_modules=lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_backend=lora_backend, pooling=pooling,
-            normalize_embeddings=normalize_embeddings,
+            normalize_embeddings=normalize_embeddings, state_snapshots=state_snapshots,
         )
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from tiny_models import (
     ARCHS,
+    HYBRID_NUM_LAYERS,
     MAX_NEW_TOKENS,
     PROMPT_LENS,
     SLIDING_WINDOW,
@@ -75,6 +76,9 @@ def generate_checked(llm: LLM, prompts, params: SamplingParams):
     assert len(outs) == len(prompts)
     in_use = llm.kv_stats().num_blocks_in_use
     assert in_use == 0, f"{in_use} KV blocks still held by requests after generate() returned"
+    state = llm.engine.state_stats()  # hybrid models: no state slot outlives its request
+    assert state is None or state.num_slots_in_use == 0, (
+        f"{state.num_slots_in_use} state slots still held after generate() returned")
     return outs
 
 
@@ -364,7 +368,9 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
     config = json.loads((model_dir / "config.json").read_text())
     tensors = _tensors(model_dir)
     assert all(t.dtype == torch.float32 for t in tensors.values())
-    assert config["num_hidden_layers"] == 2 and config["hidden_size"] == 64
+    hybrid = arch in ("bamba", "qwen3_next")
+    assert config["num_hidden_layers"] == (HYBRID_NUM_LAYERS if hybrid else 2)
+    assert config["hidden_size"] == 64
     assert config["head_dim"] == 16 and config["num_attention_heads"] == 4
     assert config["num_key_value_heads"] == 2
     assert 256 <= config["vocab_size"] <= 512
@@ -399,6 +405,19 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
         assert tensors["model.layers.0.self_attn.sinks"].shape == (config["num_attention_heads"],)
         for part in ("router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias"):
             assert tensors[f"model.layers.1.mlp.{part}"].abs().min() > 0, part
+    if arch == "bamba":  # mamba, attention, mamba; every mixer parameter away from its init
+        assert config["attn_layer_indices"] == [1]
+        assert "model.layers.1.self_attn.q_proj.weight" in tensors
+        for layer in (0, 2):
+            for name in ("A_log", "D", "dt_bias", "conv1d.bias"):
+                t = tensors[f"model.layers.{layer}.mamba.{name}"]
+                assert t.std() > 0.05, (layer, name)
+    if arch == "qwen3_next":  # linear, full, linear attention; the full one's q is doubled
+        assert config["layer_types"][1] == "full_attention"
+        assert tensors["model.layers.1.self_attn.q_proj.weight"].shape[0] == 2 * 4 * 16
+        for layer in (0, 2):
+            for name in ("A_log", "dt_bias"):
+                assert tensors[f"model.layers.{layer}.linear_attn.{name}"].std() > 0.05
 
     tokenizer = load_tokenizer(str(model_dir))
     assert len(tokenizer) == config["vocab_size"]

@@ -56,6 +56,8 @@ ARCHS = (
     "llama_yarn",
     "llama_dynamic",
     "llama_longrope",
+    "bamba",
+    "qwen3_next",
 )
 
 # Shared shape of every tiny model.
@@ -78,6 +80,7 @@ GPT_OSS_SWIGLU_LIMIT = 1.5
 # dynamic NTK grows from max_position_embeddings, so llama_dynamic's is 32 (factor 8: met
 # allows 256 tokens).
 SCALED_ROPE_ORIGINAL_MAX_POS = 32
+HYBRID_NUM_LAYERS = 3
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -94,6 +97,8 @@ VOCAB = {
     "llama_yarn": 384,
     "llama_dynamic": 352,
     "llama_longrope": 320,
+    "bamba": 400,
+    "qwen3_next": 368,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
@@ -165,6 +170,10 @@ SPECS = {
     "llama_yarn": ArchSpec(seed_offset=8),
     "llama_dynamic": ArchSpec(seed_offset=1),
     "llama_longrope": ArchSpec(seed_offset=3),
+    # Mamba-2 hybrid: mamba, attention, mamba (attn_layer_indices [1]).
+    "bamba": ArchSpec(seed_offset=0),
+    # Gated delta-net hybrid: linear, full, linear attention (dense MLPs).
+    "qwen3_next": ArchSpec(seed_offset=0),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -185,6 +194,8 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "llama_yarn": (0.0106, 0.796, 24),
     "llama_dynamic": (0.0204, 0.843, 15),
     "llama_longrope": (0.0133, 1.018, 20),
+    "bamba": (0.0154, 1.056, 26),  # transformers 5.25
+    "qwen3_next": (0.0332, 1.946, 27),  # transformers 5.25
 }
 
 
@@ -381,6 +392,41 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
                 "long_factor": [1.0 + 2.0 * i for i in range(half)],
             },
         )
+    if arch == "bamba":
+        # Three layers (mamba, attention, mamba) so state slots are indexed per mamba layer;
+        # two groups of B/C, and HF's scan chunk (32) off met's 16-token block grid.
+        common.update(num_hidden_layers=HYBRID_NUM_LAYERS)
+        return tf.BambaConfig(
+            **common,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=32,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "qwen3_next":
+        # Same three-layer pattern as bamba; 4 value heads over 2 key heads; dense MLPs only
+        # (met does not run Qwen3-Next's shared-expert MoE).
+        common.update(num_hidden_layers=HYBRID_NUM_LAYERS)
+        return tf.Qwen3NextConfig(
+            **common,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=0,
+            mlp_only_layers=[0, 1, 2],
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25},
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -401,6 +447,8 @@ def _model_class(arch: str):
         "llama_yarn": tf.LlamaForCausalLM,
         "llama_dynamic": tf.LlamaForCausalLM,
         "llama_longrope": tf.LlamaForCausalLM,
+        "bamba": tf.BambaForCausalLM,
+        "qwen3_next": tf.Qwen3NextForCausalLM,
     }[arch]
 
 
@@ -457,6 +505,22 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                 # nn.Linear weights are (out, in); fused MoE experts are (E, out, in).
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) * (spec.gain / math.sqrt(fan_in)))
+            elif name.endswith(".mamba.A_log"):  # decay rates A = -exp(A_log) in [-8, -0.5]
+                p.copy_(torch.empty(p.shape).uniform_(math.log(0.5), math.log(8.0),
+                                                      generator=gen))
+            elif name.endswith(".mamba.D"):
+                p.copy_(u(p.shape))
+            elif name.endswith(".mamba.dt_bias"):  # softplus(dt_bias) log-uniform in [0.01, 0.3]
+                dt = torch.exp(torch.empty(p.shape).uniform_(math.log(0.01), math.log(0.3),
+                                                             generator=gen))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif name.endswith(".linear_attn.A_log"):
+                # -exp(A_log) in [-0.5, -0.02]: a memory of tens of tokens, so a wrong state
+                # restored at a block boundary still shows in the output after the prompt.
+                p.copy_(torch.empty(p.shape).uniform_(math.log(0.02), math.log(0.5),
+                                                      generator=gen))
+            elif name.endswith(".linear_attn.dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
             else:
                 raise RuntimeError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
 

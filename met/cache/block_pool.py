@@ -7,6 +7,7 @@ it is only forgotten when the free queue hands it out again (lazy LRU eviction).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from met.cache.prefix_hash import BlockHash
 
@@ -21,6 +22,8 @@ class BlockPool:
         # Free blocks, least recently freed first; values unused (OrderedDict as ordered set).
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._by_hash: dict[BlockHash, int] = {}
+        # Told each hash the index forgets (a hybrid model's state snapshots go with it).
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -71,6 +74,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
+        if self.on_evict is not None:
+            for h in self._by_hash:
+                self.on_evict(h)
         self._by_hash.clear()
         self.block_hash = [None] * self.num_blocks
 
@@ -90,3 +96,5 @@ class BlockPool:
             self.block_hash[block] = None
             if self._by_hash.get(h) == block:
                 del self._by_hash[h]
+                if self.on_evict is not None:
+                    self.on_evict(h)

@@ -113,6 +113,12 @@ class KVCacheManager:
             del blocks[keep:]
             self.pool.release(tail[::-1])
 
+    def block_hash(self, request_id: str, index: int) -> BlockHash | None:
+        """The hash of the request's block ``index`` once committed (None before, or with
+        prefix caching off)."""
+        hashes = self._hashes.get(request_id, [])
+        return hashes[index] if index < len(hashes) else None
+
     def block_table(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
 

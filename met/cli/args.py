@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "batch-invariant) or torch (the reference); auto: the first that runs")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
+    p.add_argument("--state-snapshots", type=int, default=None,
+                   help="hybrid state-space models: prefix-cache snapshots of the recurrent "
+                        "state kept at block boundaries (LRU); default 4 x --max-num-seqs")
     p.add_argument("--pooling", default="last", choices=list(POOLING_TYPES),
                    help="embeddings (/v1/embeddings): pool the prompt's final-norm hidden "
                         "states by its last token (Qwen3-Embedding) or their mean; a request's "
@@ -178,6 +181,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_backend=args.lora_backend,
         pooling=args.pooling, normalize_embeddings=args.normalize_embeddings,
+        state_snapshots=args.state_snapshots,
     )
 
 

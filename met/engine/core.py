@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from met.cache.kv_manager import KVCacheManager, KVStats
+from met.cache.state_slots import StateSlots, StateStats
 from met.config import EngineConfig
 from met.engine.drafter import ModelDrafter
 from met.engine.pooling import PoolState, check_pooling
@@ -91,10 +92,12 @@ class EngineCore:
         self.batch_policy = BatchPolicy(prompt_rows_first=self.loaded.model.prompt_rows_first)
         plan = self.loaded.kernel_plan
         self.kernel_labels = tuple(plan.labels().items()) if plan is not None else ()
+        self.state = self._state_slots()
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype,
                                   self.device, self.kv_cache_dtype, policy=self.batch_policy,
                                   attention_backend="cpu-native" if plan is None
-                                  else plan.attention.name)
+                                  else plan.attention.name,
+                                  state_rows=0 if self.state is None else self.state.num_rows)
         # What the weights and the KV pool take (startup line, /metrics).
         self.weight_bytes = self.loaded.model.weight_bytes()
         self.kv_pool_bytes = sum(kv_cache.nbytes(c) for c in self.runner.kv_caches)
@@ -103,11 +106,17 @@ class EngineCore:
             "torch.")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  separate_generated=self.batch_policy.hash_generated_apart)
+        if self.state is not None:  # a snapshot goes when its block leaves the prefix cache
+            self.kv.pool.on_evict = self.state.forget
+            log.info("state slots: %d requests + %d prefix snapshots, %.1f MiB",
+                     self.state.num_slots, self.state.num_snapshot_rows,
+                     sum(c.nbytes() for c in self.runner.state_caches) / 2**20)
         self.lora = self._lora_manager()
         self.runner.lora = self.lora
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-            split_at_prompt_end=self.batch_policy.split_chunks_at_prompt_end, lora=self.lora)
+            split_at_prompt_end=self.batch_policy.split_chunks_at_prompt_end, lora=self.lora,
+            state=self.state)
         self.sampler = Sampler(config.seed)
         self.spec = self._spec_decoder(num_blocks)
         self.requests: dict[str, Request] = {}
@@ -117,6 +126,17 @@ class EngineCore:
                  num_blocks, config.block_size, self.kv_pool_tokens,
                  f"{self.kv_cache_dtype} rows + scales"
                  if self.kv_cache_dtype in kv_cache.QUANTIZED else self.kv_stored)
+
+    def _state_slots(self) -> StateSlots | None:
+        """A hybrid model's state slots (one per --max-num-seqs) and prefix snapshots;
+        None for attention-only models."""
+        if self.loaded.model.state_layout is None:
+            return None
+        config = self.config
+        snapshots = config.state_snapshots
+        if snapshots is None:
+            snapshots = 4 * config.max_num_seqs if config.enable_prefix_caching else 0
+        return StateSlots(config.max_num_seqs, snapshots)
 
     def _spec_decoder(self, num_blocks: int) -> SpecDecoder | None:
         """Speculative decoding as configured; a model drafter gets a KV pool of as many
@@ -138,6 +158,10 @@ class EngineCore:
                                self.config.cache_dir, self.config.quantization,
                                self.config.max_num_seqs, self.config.dtype == "auto")
             _check_same_vocabulary(self.loaded, draft)
+            if draft.model.state_layout is not None:
+                raise ValueError("speculative_config.model: a hybrid state-space draft model "
+                                 "is not supported (its drafter keeps no state slots); use "
+                                 "an attention-only draft, ngram or suffix")
             model, name = draft.model, "draft_model"
             backend = ("cpu-native" if draft.kernel_plan is None
                        else draft.kernel_plan.attention.name)
@@ -300,6 +324,10 @@ class EngineCore:
     def kv_stats(self) -> KVStats:
         return self.kv.stats()
 
+    def state_stats(self) -> StateStats | None:
+        """State-slot accounting of a hybrid model; None for attention-only models."""
+        return None if self.state is None else self.state.stats()
+
     def step(self) -> list[RequestUpdate]:
         """Run one engine step and report every request that produced a token or finished."""
         start = time.perf_counter()
@@ -318,7 +346,11 @@ class EngineCore:
             # The scheduler published this step's blocks to the prefix cache before they
             # were computed; after a failed forward their KV cannot be trusted.
             self.kv.pool.reset_prefix_cache()
+            if self.state is not None:
+                self.state.discard_pending()
             raise
+        if self.state is not None:
+            self.state.commit()  # the snapshots this step wrote are usable now
         for rid, (start, logits) in step_logits.prompt_logits.items():
             self._add_prompt_logprobs(self.requests[rid], start, logits)
 
@@ -410,6 +442,8 @@ class EngineCore:
                 continue
             if d and not req.is_finished:
                 self.kv.truncate(req.request_id, req.num_tokens)  # the rejected drafts' blocks
+                if self.state is not None and accepted[i] < len(d):  # and their state
+                    self.runner.rollback_state(req.state_slot, 1 + accepted[i])
             first = (req.num_output_tokens == len(emitted[i])
                      and req.params.prompt_logprobs is not None)
             updates.append(RequestUpdate(
@@ -523,6 +557,8 @@ class EngineCore:
         if self.requests:
             raise RuntimeError(f"{len(self.requests)} requests still hold KV blocks")
         self.kv.pool.reset_prefix_cache()
+        if self.state is not None:
+            self.state.clear()
         for runner in self._runners():
             runner.free_kv()
         if self.device.type == "cuda":

@@ -56,6 +56,32 @@ class SeqSpan:
 
 
 @dataclass(frozen=True)
+class StateStep:
+    """A hybrid model's recurrent state for one step (`met.layers.mamba`).
+
+    ``caches`` holds each mixer layer's state rows; sequence i of the batch reads and
+    updates row ``slots[i]`` (its request's state slot). ``saves`` lists (sequence, tokens
+    into its chunk, row): after that many of its new tokens, at a block boundary, the state
+    is also copied into that snapshot row. The scan's chunks lie on the grid of ``chunk``
+    absolute positions (the KV block size), so every block boundary's state is at hand.
+    Sequences in ``keep`` (speculative verifies) keep the state after each of their tokens,
+    for a rollback past rejected drafts.
+    """
+
+    caches: list
+    slots: tuple[int, ...]
+    saves: tuple[tuple[int, int, int], ...] = ()
+    chunk: int = 16
+    keep: frozenset[int] = frozenset()
+
+    def saves_by_seq(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        out: dict[int, list[tuple[int, int]]] = {}
+        for seq, offset, row in self.saves:
+            out.setdefault(seq, []).append((offset, row))
+        return {seq: tuple(v) for seq, v in out.items()}
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """All tokens of one step, from every scheduled request, as one flat tensor.
 
@@ -76,6 +102,8 @@ class ForwardBatch:
     # the model runs the two through different kernels (CausalLM.prompt_rows_first: the
     # runner then orders prompt chunks first); 0 otherwise.
     prompt_rows: int = 0
+    # A hybrid model's state slots for this step (None for attention-only models).
+    state: StateStep | None = None
     # Per-step values the layers share (attention plans per window, rotary cos/sin at these
     # positions), by key: computed by the first layer that needs them.
     memo: dict = field(default_factory=dict, compare=False, repr=False)

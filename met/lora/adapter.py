@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-# The projections an adapter may target: attention q/k/v/o and the dense MLP's gate/up/down.
+# The projections an adapter may target: attention q/k/v/o and the dense MLP's gate/up/down
+# (the MLP is "feed_forward" in hybrids such as Bamba).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
-                  r"\.weight$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.(\w+)"
+                  r"\.lora_([AB])(?:\.default)?\.weight$")
 
 
 class AdapterError(ValueError):

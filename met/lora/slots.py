@@ -26,7 +26,7 @@ from met.lora.load import load_adapter
 
 log = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|feed_forward)\.(\w+)$")
 # The Linear modules slots attach to: the fused projections and the unfused ones.
 _PROJECTIONS = frozenset({"qkv_proj", "gate_up_proj", "q_proj", "k_proj", "v_proj", "o_proj",
                           "gate_proj", "up_proj", "down_proj"})

@@ -16,6 +16,7 @@ from met.kernels.gguf_blocks import Blocks
 from met.layers.attention import KVCache
 from met.layers.batch import ForwardBatch
 from met.layers.linear import Linear, LMHead, attach_blocks, blocks_of
+from met.layers.mamba import MambaLayout
 from met.layers.moe import ExpertStack
 
 
@@ -28,6 +29,9 @@ class CausalLM(nn.Module, ABC):
     """
 
     kv_layout: tuple[int, int, int]
+    # Hybrid models (attention + state-space layers) set the shape of their per-request
+    # recurrent state; the runner then keeps state rows beside the KV (met.layers.mamba).
+    state_layout: MambaLayout | None = None
     tie_word_embeddings: bool = False
     # Prompt rows attend one by one through the decode kernel (ForwardBatch.row_attention):
     # set by prepare() for w8a8 and w4a8.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from met.models.bamba import BambaForCausalLM
 from met.models.base import CausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
 from met.models.gpt_oss import GptOssForCausalLM
 from met.models.llama import LlamaForCausalLM
+from met.models.qwen3_next import Qwen3NextForCausalLM
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +20,8 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -30,6 +34,8 @@ _MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)

@@ -35,6 +35,12 @@ class ScheduledRequest:
     # Draft tokens verified this step after the request's last token (counted in
     # num_new_tokens): the step computes its tokens [num_computed_tokens:] + these.
     spec_token_ids: tuple[int, ...] = ()
+    # Hybrid models (met.cache.state_slots): the request's state slot; the snapshot row that
+    # restores it before this step (a prefix hit at admission), or -1; and (tokens into this
+    # step's chunk, snapshot row) at each block boundary whose state this step saves.
+    state_slot: int = -1
+    state_restore: int = -1
+    state_saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from met.kernels import kv_cache
-from met.layers.batch import ForwardBatch, SeqSpan
+from met.layers.batch import ForwardBatch, SeqSpan, StateStep
+from met.layers.mamba import MambaStateCache
 from met.models.base import CausalLM
 from met.runner.batch_plan import BatchPolicy, ScheduledRequest, SchedulerOutput
 from met.runner.pooling import pooling_rows
@@ -42,7 +43,8 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto",
-                 *, policy: BatchPolicy, attention_backend: str = "cpu-native"):
+                 *, policy: BatchPolicy, attention_backend: str = "cpu-native",
+                 state_rows: int = 0):
         self.model = model
         self.policy = policy  # the engine's, decided once (`BatchPolicy`)
         self.block_size = block_size
@@ -53,6 +55,10 @@ class ModelRunner:
         self.lora = None
         self._kv_shape = (num_blocks, dtype, kv_cache_dtype)
         self.kv_caches: list[kv_cache.KVCache] = []
+        # A hybrid model's recurrent state: per mixer layer, ``state_rows`` rows (state slots,
+        # then prefix-cache snapshots; met.cache.state_slots numbers them).
+        self._state_shape = (state_rows, dtype)
+        self.state_caches: list[MambaStateCache] = []
         self.allocate_kv()
 
     def allocate_kv(self) -> None:
@@ -65,16 +71,31 @@ class ModelRunner:
                               self.device, kv_cache_dtype, backend=self.attention_backend)
             for _ in range(layers)
         ]
+        self._allocate_state()
+
+    def _allocate_state(self) -> None:
+        layout = self.model.state_layout
+        rows, dtype = self._state_shape
+        if layout is None:
+            return
+        if rows < 1:
+            raise ValueError("state_rows: a hybrid model's runner needs state rows (its "
+                             "engine's state slots)")
+        self.state_caches = [MambaStateCache.allocate(layout, rows, dtype, self.device)
+                             for _ in range(layout.num_layers)]
 
     def free_kv(self) -> None:
         """Drop the KV tensors (sleep): nothing may run until ``allocate_kv``."""
         self.kv_caches = []
+        self.state_caches = []
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
         items, prompt_rows = self.policy.order(step.scheduled)
         batch, sample_rows, sample_ids, num_rows = self._build_batch(items, prompt_rows,
                                                                      block_tables)
+        if self.state_caches:
+            batch = replace(batch, state=self._state_step(items))
         lora = self.lora
         if lora is not None:  # each row runs its request's adapter slot (-1: none)
             lora.set_rows([item.request.lora_slot for item in items
@@ -91,6 +112,33 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device)
         return StepLogits(sample_ids, self.model.compute_logits(hidden[rows]), prompt_logits,
                           num_rows, pooled)
+
+    def _state_step(self, items: list[ScheduledRequest]) -> StateStep:
+        """Set each request's state slot up for this step (a prefix hit restores its
+        snapshot, a fresh start zeroes it) and say which boundary states to save."""
+        for cache in self.state_caches:
+            cache.verify.clear()  # the last step's rollback points
+        for item in items:
+            slot = item.state_slot
+            if slot < 0:
+                raise RuntimeError(f"request {item.request.request_id!r} runs on a hybrid "
+                                   "model without a state slot")
+            for cache in self.state_caches:
+                if item.state_restore >= 0:
+                    cache.copy_row(item.state_restore, slot)
+                elif item.request.num_computed_tokens == 0:
+                    cache.zero_row(slot)
+        saves = tuple((i, offset, row) for i, item in enumerate(items)
+                      for offset, row in item.state_saves)
+        keep = frozenset(i for i, item in enumerate(items) if item.spec_token_ids)
+        return StateStep(self.state_caches, tuple(item.state_slot for item in items), saves,
+                         self.block_size, keep)
+
+    def rollback_state(self, slot: int, num_tokens: int) -> None:
+        """After a verify: the state of ``slot`` as of its first ``num_tokens`` tokens of the
+        step (the target's token and the accepted drafts)."""
+        for cache in self.state_caches:
+            cache.rollback(slot, num_tokens)
 
     def _prompt_logits(self, items: list[ScheduledRequest],
                        hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:

@@ -40,6 +40,8 @@ class Request:
     lora_name: str | None = None
     lora_id: int = 0
     lora_slot: int = -1
+    # A hybrid model's state slot while the request runs (met.cache.state_slots); -1: none.
+    state_slot: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

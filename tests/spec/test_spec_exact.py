@@ -223,7 +223,8 @@ def test_seeded_requests_are_the_same_with_speculation(tiny_checkpoint):
     assert spec.stats().accepted > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# A drafter keeps no state slots: hybrid drafts are refused (tests/test_hybrid_models.py).
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in ("bamba", "qwen3_next")])
 def test_draft_model_and_self_speculation_match_hf(arch, tiny_checkpoint):
     """A draft model (here the target's own checkpoint: every greedy draft must then be
     accepted, which holds only if the drafter's cache follows the target's tokens through
