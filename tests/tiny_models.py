@@ -46,6 +46,10 @@ ARCHS = (
     "qwen3",
     "gemma3",
     "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "olmo2",
+    "granite",
 )
 
 # Shared shape of every tiny model.
@@ -62,6 +66,16 @@ SLIDING_WINDOW = 8
 # first pair is kept, the next two are smoothly interpolated and the rest divided by 8.
 LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
+# phi3: rope on 12 of 16 head channels (Phi-4-mini's factor).
+PHI3_PARTIAL_ROTARY = 0.75
+# gemma2: softcaps small enough to bind on these logits (the real 50 / 30 rarely would).
+GEMMA2_ATTN_SOFTCAP = 5.0
+GEMMA2_FINAL_SOFTCAP = 15.0
+# != head_dim, and small: sharper attention (Gemma 2 has no q/k norms to sharpen it).
+GEMMA2_QUERY_PRE_ATTN_SCALAR = 8
+# granite: multipliers away from 1 (and from 1/sqrt(head_dim)) so each one matters.
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                           attention_multiplier=0.4, logits_scaling=2.0)
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -73,10 +87,16 @@ VOCAB = {
     "qwen3": 384,
     "gemma3": 448,
     "qwen3_moe": 384,
+    "phi3": 320,
+    "gemma2": 448,
+    "olmo2": 352,
+    "granite": 384,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
-ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3"}
+ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3", "gemma2"}
+# Gemma RMSNorms multiply by (1 + w): the checkpoint stores w = g - 1.
+GEMMA_NORMS = {"gemma3", "gemma2"}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN = "<|endoftext|>"
@@ -138,6 +158,10 @@ SPECS = {
     # sharper q/k norms keep attention from averaging everything into a constant.
     "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
     "qwen3_moe": ArchSpec(seed_offset=2),
+    "phi3": ArchSpec(seed_offset=1),
+    "gemma2": ArchSpec(emb_std=0.0125, seed_offset=0),
+    "olmo2": ArchSpec(seed_offset=1),
+    "granite": ArchSpec(seed_offset=3),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -294,6 +318,42 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             },
         )
+    if arch == "phi3":
+        return tf.Phi3Config(
+            **common,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": PHI3_PARTIAL_ROTARY},
+        )
+    if arch == "gemma2":
+        common.pop("rms_norm_eps")
+        return tf.Gemma2Config(
+            **common,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR,
+            tie_word_embeddings=True,
+            attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+            final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "olmo2":
+        return tf.Olmo2Config(
+            **common,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        )
+    if arch == "granite":
+        return tf.GraniteConfig(
+            **common,
+            **GRANITE_MULTIPLIERS,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -309,6 +369,10 @@ def _model_class(arch: str):
         "qwen3": tf.Qwen3ForCausalLM,
         "gemma3": tf.Gemma3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "phi3": tf.Phi3ForCausalLM,
+        "gemma2": tf.Gemma2ForCausalLM,
+        "olmo2": tf.Olmo2ForCausalLM,
+        "granite": tf.GraniteForCausalLM,
     }[arch]
 
 
@@ -328,7 +392,7 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
     layers dominate.
     """
     gen = torch.Generator().manual_seed(seed * 1000 + spec.seed_offset + sum(map(ord, arch)))
-    gemma = arch == "gemma3"
+    gemma = arch in GEMMA_NORMS
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     final_norm_scale = 1.0
     emb_std = spec.emb_std if spec.emb_std is not None else (TIED_EMB_STD if tied else 1.0)
@@ -355,7 +419,9 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
             elif "embed_tokens" in name or ("lm_head" in name and tied):
                 p.copy_(torch.randn(p.shape, generator=gen) * emb_std)
             elif "lm_head" in name:
-                std = spec.logit_std / math.sqrt(p.shape[-1])
+                # Granite divides the logits by logits_scaling: scale the head up to match.
+                std = spec.logit_std / math.sqrt(p.shape[-1]) * getattr(
+                    model.config, "logits_scaling", 1.0)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith(".mlp.gate.weight"):  # MoE router: make routing decisive
                 p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))

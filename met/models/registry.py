@@ -7,6 +7,8 @@ from typing import Any
 from met.models.base import CausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
 from met.models.llama import LlamaForCausalLM
+from met.models.olmo2 import Olmo2ForCausalLM
+from met.models.phi3 import Phi3ForCausalLM
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,6 +17,10 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -25,6 +31,10 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
