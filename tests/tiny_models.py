@@ -68,9 +68,10 @@ LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
 # phi3: rope on 12 of 16 head channels (Phi-4-mini's factor).
 PHI3_PARTIAL_ROTARY = 0.75
-# gemma2: softcaps small enough to bind on these logits (the real 50 / 30 rarely would).
+# gemma2: an attention softcap small enough to bind on these scores (the real one is 50)
+# and the real final softcap (30; binding on logits of std 6, see SPECS).
 GEMMA2_ATTN_SOFTCAP = 5.0
-GEMMA2_FINAL_SOFTCAP = 15.0
+GEMMA2_FINAL_SOFTCAP = 30.0
 # != head_dim, and small: sharper attention (Gemma 2 has no q/k norms to sharpen it).
 GEMMA2_QUERY_PRE_ATTN_SCALAR = 8
 # granite: multipliers away from 1 (and from 1/sqrt(head_dim)) so each one matters.
@@ -159,7 +160,7 @@ SPECS = {
     "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
     "qwen3_moe": ArchSpec(seed_offset=2),
     "phi3": ArchSpec(seed_offset=1),
-    "gemma2": ArchSpec(emb_std=0.0125, seed_offset=0),
+    "gemma2": ArchSpec(emb_std=0.0125, logit_std=6.0, seed_offset=0),
     "olmo2": ArchSpec(seed_offset=1),
     "granite": ArchSpec(seed_offset=3),
 }

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from met.kernels.gguf_blocks import Blocks
+from met.layers.linear import attach_blocks
 from met.models.llama import LlamaForCausalLM
 
 
@@ -31,9 +33,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         else:
             return super().load_special_weight(name, tensor, params)
         rows = [params[p].shape[0] for p in parts]
-        if tuple(tensor.shape) != (sum(rows), params[parts[0]].shape[1]):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {(sum(rows), params[parts[0]].shape[1])}")
-        for p, piece in zip(parts, tensor.split(rows, dim=0), strict=True):
-            params[p].data.copy_(piece)
+        want = (sum(rows), params[parts[0]].shape[1])
+        blocks = isinstance(tensor, Blocks)  # kept quantized (`--quantization gguf`)
+        shape = (tensor.rows, tensor.cols) if blocks else tuple(tensor.shape)
+        if shape != want:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, the model "
+                             f"expects {want}")
+        first = 0
+        for p, n in zip(parts, rows, strict=True):
+            if blocks:  # whole rows of blocks: each part keeps the file's bytes
+                attach_blocks(params[p], [Blocks(tensor.kind, tensor.data[first:first + n],
+                                                 tensor.cols)])
+            else:
+                params[p].data.copy_(tensor[first:first + n])
+                # A GGUF Q4 tensor's integers, for an exact int4 layer (as load_weights does).
+                q4 = getattr(tensor, "q4_blocks", None)
+                params[p].q4_blocks = None if q4 is None else type(q4)(
+                    *(x[first:first + n] for x in q4))
+            first += n
         return parts
