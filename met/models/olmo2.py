@@ -14,6 +14,16 @@ from met.layers.norms import RMSNorm
 from met.models.llama import Attention, DecoderLayer, LlamaForCausalLM, _make_mlp, project_qkv
 
 
+class Olmo2RMSNorm(RMSNorm):
+    """OLMo-2's reference scales by the weight in float32, then casts (Llama's casts first):
+    the same in float32, another rounding in bfloat16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
 class Olmo2Attention(Attention):
     """q_norm / k_norm span num_heads·head_dim and num_kv_heads·head_dim channels."""
 
@@ -21,8 +31,8 @@ class Olmo2Attention(Attention):
         qkv_bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, dtype, qkv_bias, False, window, rotary)
         eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps, dtype)
-        self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps, dtype)
+        self.q_norm = Olmo2RMSNorm(self.num_heads * self.head_dim, eps, dtype)
+        self.k_norm = Olmo2RMSNorm(self.num_kv_heads * self.head_dim, eps, dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
@@ -40,8 +50,8 @@ class Olmo2DecoderLayer(DecoderLayer):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Olmo2Attention(config, dtype, window, rotary)
         self.mlp = _make_mlp(config, idx, dtype)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
-        self.post_feedforward_layernorm = RMSNorm(h, eps, dtype)
+        self.post_attention_layernorm = Olmo2RMSNorm(h, eps, dtype)
+        self.post_feedforward_layernorm = Olmo2RMSNorm(h, eps, dtype)
         self.residual_multiplier = 1.0
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -57,3 +67,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo-2 decoder with an LM head (untied in the published checkpoints)."""
 
     layer_cls = Olmo2DecoderLayer
+
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
+        super().__init__(config, dtype, max_positions)
+        self.model.norm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
