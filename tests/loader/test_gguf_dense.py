@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams
+from met.kernels.gguf_blocks import Blocks
 from met.loader.gguf import load_gguf
 
 _Q = gguf.GGMLQuantizationType
@@ -170,6 +171,9 @@ def test_quantized_phi3_gguf_keeps_fused_blocks(tiny_checkpoint, tmp_path):
     flag (its float weights quantized to Q8_0 again: the same blocks, Q8_0 being idempotent
     on its own values)."""
     path, ref = write_gguf("phi3", tiny_checkpoint("phi3"), tmp_path / "gguf", kind="Q8_0")
+    kept = dict(load_gguf(path).weights(keep_blocks=True))
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        assert isinstance(kept[f"model.layers.0.{name}.weight"], Blocks), name
     prompts = oracle_prompts("phi3")
     _assert_same(_run(path, prompts, quantization="gguf"),
                  _run(str(ref), prompts, quantization="gguf"), atol=1e-5)
