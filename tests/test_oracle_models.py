@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from tiny_models import (
     ARCHS,
+    GEMMA_NORMS,
     HYBRID_NUM_LAYERS,
     MAX_NEW_TOKENS,
     PROMPT_LENS,
@@ -377,23 +378,23 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
     assert tensors["model.embed_tokens.weight"].shape[0] == config["vocab_size"]
 
     norms = [t for k, t in tensors.items() if k.endswith("norm.weight")]
-    identity = 0.0 if arch == "gemma3" else 1.0  # gemma stores w of (1 + w)
+    identity = 0.0 if arch in GEMMA_NORMS else 1.0  # gemma stores w of (1 + w)
     assert norms and all(t.sub(identity).abs().max() > 0.1 for t in norms)
     assert all(t.std() > 0.05 for t in norms)
     if arch == "qwen2":
         biases = [k for k in tensors if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))]
         assert len(biases) == 3 * 2 and all(tensors[k].abs().min() > 0 for k in biases)
-    if arch in ("qwen3", "qwen3_moe", "gemma3"):
+    if arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2"):
         assert "model.layers.0.self_attn.q_norm.weight" in tensors
         assert "model.layers.0.self_attn.k_norm.weight" in tensors
     tied = config.get("tie_word_embeddings", False)
-    assert tied == (arch in ("llama_tied", "gemma3"))
+    assert tied == (arch in ("llama_tied", "gemma3", "gemma2"))
     assert ("lm_head.weight" in tensors) == (not tied)
     if arch == "qwen3_moe":
         assert "model.layers.0.mlp.experts.3.gate_proj.weight" in tensors
         assert "model.layers.1.mlp.experts.0.down_proj.weight" in tensors
         assert "model.layers.0.mlp.gate.weight" in tensors
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         assert config["layer_types"] == ["sliding_attention", "full_attention"]
         assert config["query_pre_attn_scalar"] != config["head_dim"]
     if arch == "mixtral":  # the Hub's Mixtral layout
@@ -418,6 +419,16 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
         for layer in (0, 2):
             for name in ("A_log", "dt_bias"):
                 assert tensors[f"model.layers.{layer}.linear_attn.{name}"].std() > 0.05
+    if arch == "phi3":  # the Hub layout: fused projections
+        assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
+        assert "model.layers.1.mlp.gate_up_proj.weight" in tensors
+        assert "model.layers.0.self_attn.q_proj.weight" not in tensors
+        assert config["rope_parameters"]["partial_rotary_factor"] < 1
+    if arch == "olmo2":  # full-width q/k norms, post-norms only
+        assert tensors["model.layers.0.self_attn.q_norm.weight"].shape == (64,)
+        assert tensors["model.layers.0.self_attn.k_norm.weight"].shape == (32,)
+        assert "model.layers.0.post_feedforward_layernorm.weight" in tensors
+        assert "model.layers.0.input_layernorm.weight" not in tensors
 
     tokenizer = load_tokenizer(str(model_dir))
     assert len(tokenizer) == config["vocab_size"]
@@ -444,3 +455,23 @@ def test_hf_gpt_oss_sinks_and_swiglu_limit_matter(tiny_checkpoint):
     for prompt in oracle_prompts("gpt_oss"):
         assert _diverges(reference, no_sinks, prompt), len(prompt)
         assert _diverges(reference, unclamped, prompt), len(prompt)
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("gemma2", {"attn_logit_softcapping": None}),
+    ("gemma2", {"final_logit_softcapping": None}),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 1.0}}),
+    ("granite", {"embedding_multiplier": 1.0}),
+    ("granite", {"residual_multiplier": 1.0}),
+    ("granite", {"attention_multiplier": 0.25}),
+    ("granite", {"logits_scaling": 1.0}),
+])
+def test_hf_family_features_matter(arch, overrides, tiny_checkpoint):
+    """Dropping one family feature (a softcap, partial rotary, a Granite multiplier) changes
+    transformers' output on the tested prompts, so met's handling of it is really tested."""
+    model_dir = tiny_checkpoint(arch)
+    reference = load_hf_model(str(model_dir))
+    without = load_hf_model_with(model_dir, **overrides)
+    prompts = oracle_prompts(arch)
+    assert sum(_diverges(reference, without, p) for p in prompts) >= 2, overrides

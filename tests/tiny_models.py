@@ -58,6 +58,10 @@ ARCHS = (
     "llama_longrope",
     "bamba",
     "qwen3_next",
+    "phi3",
+    "gemma2",
+    "olmo2",
+    "granite",
 )
 
 # Shared shape of every tiny model.
@@ -81,6 +85,17 @@ GPT_OSS_SWIGLU_LIMIT = 1.5
 # allows 256 tokens).
 SCALED_ROPE_ORIGINAL_MAX_POS = 32
 HYBRID_NUM_LAYERS = 3
+# phi3: rope on 12 of 16 head channels (Phi-4-mini's factor).
+PHI3_PARTIAL_ROTARY = 0.75
+# gemma2: an attention softcap small enough to bind on these scores (the real one is 50)
+# and the real final softcap (30; binding on logits of std 6, see SPECS).
+GEMMA2_ATTN_SOFTCAP = 5.0
+GEMMA2_FINAL_SOFTCAP = 30.0
+# != head_dim, and small: sharper attention (Gemma 2 has no q/k norms to sharpen it).
+GEMMA2_QUERY_PRE_ATTN_SCALAR = 8
+# granite: multipliers away from 1 (and from 1/sqrt(head_dim)) so each one matters.
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                           attention_multiplier=0.4, logits_scaling=2.0)
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -99,11 +114,17 @@ VOCAB = {
     "llama_longrope": 320,
     "bamba": 400,
     "qwen3_next": 368,
+    "phi3": 320,
+    "gemma2": 448,
+    "olmo2": 352,
+    "granite": 384,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
 ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3", "mixtral",
-            "llama_yarn", "llama_dynamic", "llama_longrope"}
+            "llama_yarn", "llama_dynamic", "llama_longrope", "gemma2"}
+# Gemma RMSNorms multiply by (1 + w): the checkpoint stores w = g - 1.
+GEMMA_NORMS = {"gemma3", "gemma2"}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN = "<|endoftext|>"
@@ -174,6 +195,10 @@ SPECS = {
     "bamba": ArchSpec(seed_offset=0),
     # Gated delta-net hybrid: linear, full, linear attention (dense MLPs).
     "qwen3_next": ArchSpec(seed_offset=0),
+    "phi3": ArchSpec(seed_offset=1),
+    "gemma2": ArchSpec(emb_std=0.0125, logit_std=6.0, seed_offset=0),
+    "olmo2": ArchSpec(seed_offset=14),
+    "granite": ArchSpec(seed_offset=3),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -196,6 +221,11 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "llama_longrope": (0.0133, 1.018, 20),
     "bamba": (0.0154, 1.056, 26),  # transformers 5.25
     "qwen3_next": (0.0332, 1.946, 27),  # transformers 5.25
+    # transformers 5.25.0, torch 2.13.0 CPU
+    "phi3": (0.0189, 1.018, 25),
+    "gemma2": (0.0125, 1.411, 13),
+    "olmo2": (0.0308, 0.849, 13),
+    "granite": (0.0121, 0.762, 9),
 }
 
 
@@ -427,6 +457,42 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "partial_rotary_factor": 0.25},
         )
+    if arch == "phi3":
+        return tf.Phi3Config(
+            **common,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": PHI3_PARTIAL_ROTARY},
+        )
+    if arch == "gemma2":
+        common.pop("rms_norm_eps")
+        return tf.Gemma2Config(
+            **common,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR,
+            tie_word_embeddings=True,
+            attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+            final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "olmo2":
+        return tf.Olmo2Config(
+            **common,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        )
+    if arch == "granite":
+        return tf.GraniteConfig(
+            **common,
+            **GRANITE_MULTIPLIERS,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -449,6 +515,10 @@ def _model_class(arch: str):
         "llama_longrope": tf.LlamaForCausalLM,
         "bamba": tf.BambaForCausalLM,
         "qwen3_next": tf.Qwen3NextForCausalLM,
+        "phi3": tf.Phi3ForCausalLM,
+        "gemma2": tf.Gemma2ForCausalLM,
+        "olmo2": tf.Olmo2ForCausalLM,
+        "granite": tf.GraniteForCausalLM,
     }[arch]
 
 
@@ -468,7 +538,7 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
     layers dominate.
     """
     gen = torch.Generator().manual_seed(seed * 1000 + spec.seed_offset + sum(map(ord, arch)))
-    gemma = arch == "gemma3"
+    gemma = arch in GEMMA_NORMS
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     final_norm_scale = 1.0
     emb_std = spec.emb_std if spec.emb_std is not None else (TIED_EMB_STD if tied else 1.0)
@@ -495,7 +565,9 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
             elif "embed_tokens" in name or ("lm_head" in name and tied):
                 p.copy_(torch.randn(p.shape, generator=gen) * emb_std)
             elif "lm_head" in name:
-                std = spec.logit_std / math.sqrt(p.shape[-1])
+                # Granite divides the logits by logits_scaling: scale the head up to match.
+                std = spec.logit_std / math.sqrt(p.shape[-1]) * getattr(
+                    model.config, "logits_scaling", 1.0)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith(".mlp.gate.weight"):  # MoE router: make routing decisive
                 p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))

@@ -11,9 +11,14 @@ every tensor matches the layout of the original Hugging Face checkpoint:
 
 * llama/mistral: the rows of the Q and K projections are permuted from HF's "rotate half"
   rope layout to the interleaved (GPT-J style) layout that ggml's rope kernel uses.
-* gemma3: every RMSNorm weight is stored as (w + 1), because Gemma's RMSNorm multiplies by
-  (1 + w) and ggml's multiplies by w.
+* gemma2/gemma3: every RMSNorm weight is stored as (w + 1), because Gemma's RMSNorm
+  multiplies by (1 + w) and ggml's multiplies by w.
 * MoE models: each layer's experts are stacked into one [E, ...] tensor.
+* phi3: the fused q|k|v and gate|up projections stay fused (``attn_qkv``, ``ffn_up`` of twice
+  the width), as in the HF checkpoint; the model splits them at load.
+
+transformers' GGUF config reader drops some of what llama.cpp writes; `_config_from_metadata`
+puts it back: Gemma-2's softcaps and attention scale, Phi-3's partial rotary and window.
 """
 
 from __future__ import annotations
@@ -41,14 +46,23 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "qwen3",
     "qwen3moe",
     "gemma3",
+    "phi3",
+    "gemma2",
 )
 
 # Architectures whose Q/K rows llama.cpp permutes to the interleaved rope layout.
-# Qwen2/Qwen3/Gemma3 use NEOX-style rope in ggml, which matches HF's layout as is.
+# Qwen2/Qwen3/Gemma2/Gemma3/Phi3 use NEOX-style rope in ggml, which matches HF's layout.
 _QK_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
 
 # Architectures whose RMSNorm weights llama.cpp stores as (w + 1).
-_NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma3"})
+_NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+
+# Architectures with a pre/post norm pair around both attention and MLP.
+_GEMMA_NORM_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+
+# Phi-3 keeps the checkpoint's fused projections: ffn_up holds gate|up rows.
+_PHI3_NAMES: Mapping[str, str] = MappingProxyType(
+    {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"})
 
 _TOP_LEVEL_NAMES: Mapping[str, str] = MappingProxyType(
     {
@@ -98,6 +112,10 @@ _EXPERT_NAMES: Mapping[str, str] = MappingProxyType(
 # Tensors that are not parameters of the HF model: llama3's rope_freqs holds the rope-scaling
 # factors, which HF recomputes from config.rope_scaling.
 _SKIPPED_TENSORS = frozenset({"rope_freqs"})
+
+# Phi-3 LongRoPE's per-frequency factors: transformers' GGUF config keeps no rope scaling,
+# so a file that has them would silently run with the plain rope.
+_LONGROPE_TENSORS = frozenset({"rope_factors_long", "rope_factors_short"})
 
 _Q = gguf.GGMLQuantizationType
 # Bytes per 32-value block: float16 d [, float16 m], then 16 nibble bytes (Q4) or 32 int8s.
@@ -177,10 +195,16 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
                            file.get(f"{arch}.expert_used_count"),
                            file.get(f"{arch}.expert_feed_forward_length"))
     rope = gguf_rope_scaling(file)
+    fixes = _config_from_metadata(file)
     del file  # the memory map of the whole file: dropped before transformers opens its own
 
     config, tokenizer = load_config_and_tokenizer(path)
     config = _moe_config(config, arch, experts)
+    for key, value in fixes.items():
+        if key == "partial_rotary_factor" and getattr(config, "rope_parameters", None):
+            # transformers 5 reads the factor from rope_parameters (there 1.0 by default).
+            config.rope_parameters = {**config.rope_parameters, key: value}
+        setattr(config, key, value)
     if rope:  # transformers reads only rope.freq_base from a llama-family GGUF
         params = dict(getattr(config, "rope_parameters", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -258,9 +282,44 @@ def _architecture(file: GGUFFile) -> str:
     return arch
 
 
+def _config_from_metadata(file: GGUFFile) -> dict[str, object]:
+    """Config fields transformers' GGUF reader leaves at their defaults although llama.cpp
+    wrote them (or, for Gemma-2's attention scale, decides them the way llama.cpp does)."""
+    arch = _architecture(file)
+    out: dict[str, object] = {}
+    if arch == "gemma2":
+        for key, field in ((gguf.Keys.LLM.ATTN_LOGIT_SOFTCAPPING, "attn_logit_softcapping"),
+                           (gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, "final_logit_softcapping")):
+            value = file.get(key.format(arch=arch))
+            out[field] = None if value is None else float(value)
+        # llama.cpp writes no query_pre_attn_scalar: it scales by 1/sqrt(head_dim), except
+        # for the 46-layer 27B model, which uses 1/sqrt(hidden / heads) (as its config does).
+        n_head = int(file.get(f"{arch}.attention.head_count"))
+        hidden = int(file.get(f"{arch}.embedding_length"))
+        head_dim = int(file.get(f"{arch}.attention.key_length", hidden // n_head))
+        layers = int(file.get(f"{arch}.block_count"))
+        out["query_pre_attn_scalar"] = hidden // n_head if layers == 46 else head_dim
+    if arch == "phi3":
+        n_head = int(file.get(f"{arch}.attention.head_count"))
+        head_dim = int(file.get(f"{arch}.attention.key_length",
+                                int(file.get(f"{arch}.embedding_length")) // n_head))
+        rotary = file.get(gguf.Keys.Rope.DIMENSION_COUNT.format(arch=arch))
+        if rotary is not None and int(rotary) != head_dim:
+            out["partial_rotary_factor"] = int(rotary) / head_dim
+        window = file.get(gguf.Keys.Attention.SLIDING_WINDOW.format(arch=arch))
+        if window:
+            out["sliding_window"] = int(window)
+        longrope = sorted({t.name.rsplit(".", 1)[0] for t in file.tensors} & _LONGROPE_TENSORS)
+        if longrope:
+            raise ValueError(f"GGUF phi3 file has LongRoPE factors ({', '.join(longrope)}); "
+                             "met does not read LongRoPE from GGUF yet")
+    return out
+
+
 def _block_names(arch: str) -> dict[str, str]:
-    norms = _GEMMA3_NORM_NAMES if arch == "gemma3" else _LLAMA_NORM_NAMES
-    return {**_BLOCK_NAMES, **norms}
+    norms = _GEMMA3_NORM_NAMES if arch in _GEMMA_NORM_ARCHITECTURES else _LLAMA_NORM_NAMES
+    extra = _PHI3_NAMES if arch == "phi3" else {}
+    return {**_BLOCK_NAMES, **norms, **extra}
 
 
 def _hf_name(gguf_name: str, arch: str, block_names: Mapping[str, str]) -> str | None:

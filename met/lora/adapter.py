@@ -7,6 +7,10 @@ PEFT writes ``adapter_config.json`` (rank ``r``, ``lora_alpha``, ``target_module
 ``use_rslora``) and ``adapter_model.safetensors`` with, per target projection,
 ``...layers.N.<module>.lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r]. The delta is
 ``scaling · x Aᵀ Bᵀ`` with scaling = alpha / r (alpha / √r under rsLoRA).
+
+Models whose checkpoints fuse projections (Phi-3: ``qkv_proj``, ``gate_up_proj``) get
+adapters on the fused modules; B's rows split into the parts' (A shared), which is the same
+delta, so such an adapter fills the same slots as one on the separate projections.
 """
 
 from __future__ import annotations
@@ -22,12 +26,26 @@ import torch
 # The projections an adapter may target: attention q/k/v/o and the dense MLP's gate/up/down
 # (the MLP is "feed_forward" in hybrids such as Bamba).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Fused targets (as Phi-3's checkpoint names them) -> the parts their B rows hold, in order.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.(\w+)"
                   r"\.lora_([AB])(?:\.default)?\.weight$")
 
 
 class AdapterError(ValueError):
     """An adapter that cannot be served on this base model (the message names why)."""
+
+
+def _put(pairs: dict, name: str, key: str, layer: int, target: str, which: str,
+         t: torch.Tensor) -> None:
+    """Record one lora_A / lora_B matrix; a target given twice (fused and alone) is an
+    error, not a silent overwrite."""
+    slot = pairs.setdefault((layer, target), {})
+    if which in slot:
+        raise AdapterError(f"lora {name}: layer {layer} {target} has lora_{which} twice "
+                           f"(a fused module and the projection itself; {key})")
+    slot[which] = t
 
 
 @dataclass
@@ -88,13 +106,30 @@ def load_peft(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, int
             raise AdapterError(f"lora {name}: tensor {key} is not a LoRA A/B matrix of a "
                                f"decoder layer's {'/'.join(TARGETS)}")
         layer, target, which = int(m.group(1)), m.group(2), m.group(3)
+        if target in FUSED_TARGETS:
+            parts = FUSED_TARGETS[target]
+            if not all((layer, p) in shapes for p in parts):
+                raise AdapterError(f"lora {name}: the base model has no layer {layer} "
+                                   f"{'/'.join(parts)} for {target} ({key})")
+            if which == "B":
+                rows = [shapes[(layer, p)][1] for p in parts]
+                if t.shape[0] != sum(rows):
+                    raise AdapterError(
+                        f"lora {name}: layer {layer} {target}: lora_B has {t.shape[0]} rows, "
+                        f"the base's {'/'.join(parts)} have {sum(rows)}")
+                pieces = t.split(rows, dim=0)
+            else:
+                pieces = [t] * len(parts)
+            for p, piece in zip(parts, pieces, strict=True):
+                _put(pairs, name, key, layer, p, which, piece)
+            continue
         if target not in TARGETS:
             raise AdapterError(f"lora {name}: unknown target module {target!r} ({key}); "
                                f"met applies adapters to {', '.join(TARGETS)}")
         if (layer, target) not in shapes:
             raise AdapterError(f"lora {name}: the base model has no layer {layer} {target} "
                                f"({key})")
-        pairs.setdefault((layer, target), {})[which] = t
+        _put(pairs, name, key, layer, target, which, t)
     weights = {}
     for (layer, target), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:

@@ -19,33 +19,10 @@ from met.layers.batch import ForwardBatch
 from met.layers.linear import Embedding, Linear, LMHead
 from met.layers.mamba import Mamba2Mixer, MambaLayout
 from met.layers.norms import RMSNorm
-from met.layers.rotary import RotaryEmbedding, rope_parameters
+from met.layers.partial_rotary import PartialRotary
+from met.layers.rotary import rope_parameters
 from met.models.base import CausalLM, config_head_dim
 from met.models.llama import MLP, Attention
-
-
-class PartialRotary(nn.Module):
-    """Rope on the first ``rotary_dim`` channels of each head; the rest pass through
-    (Bamba's partial_rotary_factor 0.5)."""
-
-    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int,
-                 params: dict[str, Any]):
-        super().__init__()
-        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-            raise ValueError(f"partial_rotary_factor: gives {rotary_dim} rotary channels of "
-                             f"{head_dim}; must be even and in (0, head_dim]")
-        self.rotary_dim = rotary_dim
-        self.inner = RotaryEmbedding(rotary_dim, max_positions, params)
-
-    def apply_(self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None
-               ) -> torch.Tensor:
-        r = self.rotary_dim
-        rot = self.inner.apply_(x[..., :r], positions, memo)
-        return torch.cat([rot, x[..., r:]], dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply_(q, positions, memo), self.apply_(k, positions, memo)
 
 
 class HybridLayer(nn.Module):

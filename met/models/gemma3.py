@@ -1,5 +1,9 @@
-"""Gemma 3 (text): interleaved sliding/global attention, (1 + w) RMSNorms around both
-blocks, q/k norms, a scaled embedding and separate rope bases for local and global layers."""
+"""Gemma 3 (text) and Gemma 2: interleaved sliding/global attention, (1 + w) RMSNorms around
+both blocks, a scaled embedding and query_pre_attn_scalar as the attention scale.
+
+Gemma 3 adds q/k norms and separate rope bases for local and global layers; Gemma 2 instead
+tanh-softcaps the attention scores (attn_logit_softcapping, run by the varlen reference or
+Triton attention) and the final logits (final_logit_softcapping)."""
 
 from __future__ import annotations
 
@@ -29,23 +33,27 @@ class Gemma3Attention(nn.Module):
         self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype)
         self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias, dtype)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=True)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=True)
+        qk_norm = config.model_type != "gemma2"
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype, offset=True) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype, offset=True) if qk_norm else None
         self.scale = config.query_pre_attn_scalar**-0.5
         self.window = window
         self.rotary = rotary
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError("attn_logit_softcapping: Gemma-2-style attention softcapping is not "
-                             "supported; Gemma 3 checkpoints leave it unset")
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if softcap is not None and not float(softcap) > 0:
+            raise ValueError(f"attn_logit_softcapping: must be > 0 or null, got {softcap!r}")
+        self.softcap = float(softcap) if softcap else None
 
     fuse_projections = fuse_qkv
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = project_qkv(self, x)
-        q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k, batch.memo, self.rotary.seq_lens(batch))
-        o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window)
+        o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -90,11 +98,13 @@ def _local_rope(config: Any) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or {}
     if "sliding_attention" in params:
         return dict(params["sliding_attention"])
+    if config.model_type == "gemma2":  # one rope for every layer
+        return rope_parameters(config)
     return {"rope_theta": getattr(config, "rope_local_base_freq", 10000.0), "rope_type": "default"}
 
 
 class Gemma3ForCausalLM(CausalLM):
-    """Gemma 3 text decoder; the LM head is tied to the embedding."""
+    """Gemma 3 text / Gemma 2 decoder; the LM head is tied to the embedding."""
 
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
@@ -104,7 +114,10 @@ class Gemma3ForCausalLM(CausalLM):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
-        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        if softcap is not None and not float(softcap) > 0:
+            raise ValueError(f"final_logit_softcapping: must be > 0 or null, got {softcap!r}")
+        self.final_softcap = float(softcap) if softcap else None
         self.kv_layout = (config.num_hidden_layers, config.num_key_value_heads,
                           config_head_dim(config))
 

@@ -40,7 +40,7 @@ class GptOssAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = project_qkv(self, x)
-        q, k = self.rotary(batch.positions, q, k, batch.memo)
+        q, k = self.rotary(batch.positions, q, k, batch.memo, self.rotary.seq_lens(batch))
         o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, sinks=self.sinks)
         return self.o_proj(o.reshape(t, -1))
 

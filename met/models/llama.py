@@ -1,8 +1,10 @@
-"""The Llama family: Llama (incl. Llama-3 rope), Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral.
+"""The Llama family: Llama (incl. Llama-3 rope), Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
+Granite and (through met.models.phi3 and met.models.olmo2) Phi-3 and OLMo-2.
 
 They share one decoder; config flags switch on qkv bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), sliding-window layers (Mistral, Mixtral, layer_types) and routed experts
-(Qwen3-MoE, Mixtral).
+(Qwen3), sliding-window layers (Mistral, Mixtral, layer_types), routed experts (Qwen3-MoE,
+Mixtral), partial rotary (Phi-3) and Granite's multipliers (embedding, residual, attention
+scale, logits).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from met.layers.fused_layer import FusedLayer
 from met.layers.linear import Embedding, Linear, LMHead, fuse_linears
 from met.layers.moe import SparseMoE, attach_expert_blocks
 from met.layers.norms import RMSNorm
+from met.layers.partial_rotary import make_rotary
 from met.layers.rotary import RotaryEmbedding, rope_parameters
 from met.models.base import CausalLM, config_head_dim
 
@@ -77,7 +80,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, dtype) if qk_norm else None
         self.sliding_window = sliding_window
         self.rotary = rotary
-        self.scale = self.head_dim**-0.5
+        # Granite's attention_multiplier replaces 1/sqrt(head_dim).
+        multiplier = getattr(config, "attention_multiplier", None)
+        self.scale = self.head_dim**-0.5 if multiplier is None else float(multiplier)
 
     fuse_projections = fuse_qkv
 
@@ -101,8 +106,9 @@ class Attention(nn.Module):
 
     def supports_fused(self) -> bool:
         """Whether the fused path (`LlamaForCausalLM._forward_fused`) applies: fused q|k|v,
-        no q/k norm, rope tables in float32."""
+        no q/k norm, a full-width rope with tables in float32."""
         return (hasattr(self, "qkv_proj") and self.q_norm is None
+                and isinstance(self.rotary, RotaryEmbedding)
                 and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0
                 and not self.rotary.length_dependent)
 
@@ -146,14 +152,20 @@ class DecoderLayer(nn.Module):
         self.mlp = _make_mlp(config, idx, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Granite scales each block's output before the residual add.
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", None) or 1.0)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        r = self.residual_multiplier
+        if r != 1.0:
+            x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache) * r
+            return x + self.mlp(self.post_attention_layernorm(x)) * r
         x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def supports_fused(self) -> bool:
         return (isinstance(self.mlp, MLP) and self.mlp.supports_fused()
-                and self.self_attn.supports_fused())
+                and self.self_attn.supports_fused() and self.residual_multiplier == 1.0)
 
     def fused_plan(self, next_norm: RMSNorm) -> FusedLayer:
         """This layer for `LlamaForCausalLM._forward_fused`, followed by ``next_norm`` (the
@@ -195,25 +207,32 @@ def _make_mlp(config: Any, idx: int, dtype: torch.dtype) -> nn.Module:
 
 
 class _Backbone(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
+                 layer_cls: type[nn.Module]):
         super().__init__()
         head_dim = config_head_dim(config)
-        rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
+        rotary = make_rotary(config, head_dim, max_positions, rope_parameters(config))
         windows = layer_sliding_windows(config)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, windows[i], rotary)
+            layer_cls(config, i, dtype, windows[i], rotary)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder with an LM head."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / Granite decoder with an LM head."""
+
+    # The decoder layer a subclass family swaps in (OLMo-2's post-norm layer).
+    layer_cls: type[nn.Module] = DecoderLayer
 
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
-        self.model = _Backbone(config, dtype, max_positions)
+        self.model = _Backbone(config, dtype, max_positions, self.layer_cls)
+        # Granite: the embedding is scaled on input, the logits divided on output.
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
+        self.logits_scaling = float(getattr(config, "logits_scaling", None) or 1.0)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -224,6 +243,8 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         if (self._fused_layers and fused_ops.available(x, self.fused_float32)
                 and kv_caches[0].cpu_writable):
             return self._forward_fused(x, batch, kv_caches)
@@ -288,8 +309,12 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, LMHead):
-            return self.lm_head(hidden)
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return logits
 
     def map_weight_name(self, name: str) -> str | None:
         return mixtral_weight_name(name)

@@ -21,8 +21,8 @@ from met.layers.gated_delta import GatedDeltaNet
 from met.layers.linear import Embedding, Linear, LMHead
 from met.layers.mamba import MambaLayout
 from met.layers.norms import RMSNorm
+from met.layers.partial_rotary import PartialRotary
 from met.layers.rotary import rope_parameters
-from met.models.bamba import PartialRotary
 from met.models.base import CausalLM, config_head_dim
 from met.models.llama import MLP
 
@@ -49,7 +49,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
-        q, k = self.rotary(batch.positions, q, k, batch.memo)
+        q, k = self.rotary(batch.positions, q, k, batch.memo, self.rotary.seq_lens(batch))
         o = paged_attention(q.contiguous(), k.contiguous(), v, kv_cache, batch, self.scale, None)
         return self.o_proj(o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 

@@ -9,6 +9,8 @@ from met.models.base import CausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
 from met.models.gpt_oss import GptOssForCausalLM
 from met.models.llama import LlamaForCausalLM
+from met.models.olmo2 import Olmo2ForCausalLM
+from met.models.phi3 import Phi3ForCausalLM
 from met.models.qwen3_next import Qwen3NextForCausalLM
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -22,6 +24,10 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -36,6 +42,10 @@ _MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "bamba": "BambaForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)

@@ -184,7 +184,7 @@ def test_qwen3moe_experts_are_split_and_qk_untouched(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_is_rejected(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "phi.gguf", "phi3", 2, 2, {"output_norm.weight": np.ones(4)})
+    path = _write_gguf(tmp_path / "bloom.gguf", "bloom", 2, 2, {"output_norm.weight": np.ones(4)})
     with pytest.raises(ValueError, match="supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
         load_gguf(path)
 

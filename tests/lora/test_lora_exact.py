@@ -15,7 +15,13 @@ MAX_NEW = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+# Phi-3's checkpoint (so peft) has fused modules: met splits their B rows into the parts.
+PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
 def _targets(arch: str) -> list[str]:
+    if arch == "phi3":
+        return PHI3
     return ALL[:4] if arch == "qwen3_moe" else ALL  # its MLP is experts, not projections
 
 
