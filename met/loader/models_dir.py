@@ -9,6 +9,7 @@ two models under one name is an error that names both.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from met.loader.resolve import resolve_model
@@ -19,8 +20,8 @@ def model_name_of(arg: str) -> str:
     HF-cache id as it was given."""
     path = Path(arg).expanduser()
     if path.exists():
-        resolved = path.resolve()
-        return resolved.stem if resolved.is_file() else resolved.name
+        named = Path(os.path.abspath(path))  # "." and "x/" get a name; links keep theirs
+        return named.stem if named.is_file() else named.name
     return arg
 
 
