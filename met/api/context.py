@@ -138,10 +138,12 @@ class ServerContext:
         self.metrics = ServerMetrics(config.model_name)
         self.model: ModelInfo | None = None
         self.created = int(time.time())
-        self.rate_limiter = rate_limiter or RateLimiter(config.rate_limit_rpm,
-                                                        config.rate_limit_tpm)
-        self.response_store = response_store or ResponseStore(config.responses_store_max,
-                                                              config.responses_store_ttl)
+        # "is None", not "or": an empty store is falsy (it has a length).
+        self.rate_limiter = (RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+                             if rate_limiter is None else rate_limiter)
+        self.response_store = (ResponseStore(config.responses_store_max,
+                                             config.responses_store_ttl)
+                               if response_store is None else response_store)
         # Generations admitted but not yet added to the engine (a route awaits between the
         # two): counted by check_queue so a burst cannot all slip past a full queue.
         self._admitted: weakref.WeakValueDictionary[int, Generation] = \

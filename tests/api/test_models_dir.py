@@ -421,3 +421,29 @@ def test_a_model_that_fails_to_load_is_listed_as_failed(models_dir, tmp_path):
         assert await metric(client, "met_model_loads_total") == 2  # one failed, one loaded
 
     run_pool(models, work)
+
+
+def test_sleep_routes_take_the_model_as_a_query_parameter(models_dir):
+    """/sleep and /wake_up act on ``?model=``'s engine; stored responses are the server's
+    (retrieved without naming a model)."""
+    models = {"llama-a": str(models_dir / "llama-a"), "qwen-b": str(models_dir / "qwen-b")}
+
+    async def work(client, pool):
+        await client.post("/models/load", json={"model": "llama-a"})
+        r = await client.post("/sleep?model=llama-a")
+        assert r.status_code == 200 and r.json()["status"] == "sleeping"
+        r = await client.post("/v1/completions", json=_completion("llama-a"))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping"
+        assert (await client.post("/v1/completions", json=_completion("qwen-b"))).status_code \
+            == 200
+        assert (await client.post("/wake_up?model=llama-a")).status_code == 200
+        r = await client.post("/v1/completions", json=_completion("llama-a"))
+        assert r.status_code == 200
+        assert (await client.post("/sleep")).json()["error"]["param"] == "model"
+        r = await client.post("/v1/responses", json={"model": "qwen-b", "input": "hi",
+                                                     "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+        got = await client.get(f"/v1/responses/{r.json()['id']}")
+        assert got.status_code == 200 and got.json()["model"] == "qwen-b"
+
+    run_pool(models, work, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
