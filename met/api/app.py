@@ -21,7 +21,10 @@ from met.api.auth import ApiKeyMiddleware
 from met.api.context import IGNORED_FIELDS_HEADER, ServerConfig, ServerContext
 from met.api.errors import error_body, install_error_handlers
 from met.api.lora_routes import router as lora_router
+from met.api.model_pool import ModelPool
+from met.api.model_router import ModelRouterMiddleware
 from met.api.openai import chat, completions, embeddings, models, responses, scores
+from met.api.pool_routes import router as pool_router
 from met.api.routes import router as server_router
 from met.api.webui import WebChatMiddleware
 from met.engine.async_engine import AsyncEngine, EngineState
@@ -90,15 +93,29 @@ class RequestIdMiddleware:
             await send_with_id({"type": "http.response.body", "body": body})
 
 
-def build_app(config: ServerConfig, engine: AsyncEngine,
-              on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """The app serving ``engine``. Its lifespan starts the engine (loading the model in the
-    engine thread, so /health answers 503 "loading" meanwhile) and stops it at shutdown.
-    ``on_fatal`` is called when the model fails to load (the CLI stops the server)."""
-    ctx = ServerContext(config, engine)
+def build_app(config: ServerConfig, engine: AsyncEngine | None,
+              on_fatal: Callable[[], None] | None = None,
+              pool: ModelPool | None = None) -> FastAPI:
+    """The app serving ``engine``, or (``--models-dir``) the models of ``pool``. Its lifespan
+    starts the engine (loading the model in the engine thread, so /health answers 503
+    "loading" meanwhile) and stops it at shutdown. ``on_fatal`` is called when the model
+    fails to load (the CLI stops the server). A pool loads its models when requests name
+    them; its lifespan stops every loaded one at shutdown."""
+    if (engine is None) == (pool is None):
+        raise ValueError("build_app: give exactly one of engine or pool")
+    ctx = ServerContext(config, engine) if engine is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if pool is not None:
+            pool.start()
+            try:
+                yield
+            finally:
+                log.info("stopping the loaded models' engines")
+                await pool.shutdown()
+            return
+        assert engine is not None and ctx is not None
         engine.start()
         waiter = asyncio.create_task(_announce_when_ready(ctx, on_fatal))
         try:
@@ -111,11 +128,16 @@ def build_app(config: ServerConfig, engine: AsyncEngine,
     app = FastAPI(title="met", version=met.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.ctx = ctx
+    app.state.pool = pool
     install_error_handlers(app)
     for router in (chat.router, completions.router, embeddings.router, scores.router,
                    models.router, responses.router, anthropic_messages.router, lora_router,
-                   server_router):
+                   pool_router, server_router):
         app.include_router(router)
+    if pool is not None:
+        # Inside the key check: an unauthenticated request never makes a model load.
+        app.add_middleware(ModelRouterMiddleware, pool=pool,
+                           max_body_bytes=config.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
     app.add_middleware(WebChatMiddleware)  # outside the key check: the page at / loads keyless
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: 401s get an id too

@@ -128,15 +128,22 @@ class ModelInfo:
 class ServerContext:
     """The app's engine, metrics and config; routes reach it through ``request.app.state``."""
 
-    def __init__(self, config: ServerConfig, engine: AsyncEngine):
+    def __init__(self, config: ServerConfig, engine: AsyncEngine,
+                 rate_limiter: RateLimiter | None = None,
+                 response_store: ResponseStore | None = None):
+        """``rate_limiter`` and ``response_store`` are given when several models share them
+        (--models-dir: a key's limits and stored responses are the server's, not a model's)."""
         self.config = config
         self.engine = engine
         self.metrics = ServerMetrics(config.model_name)
         self.model: ModelInfo | None = None
         self.created = int(time.time())
-        self.rate_limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
-        self.response_store = ResponseStore(config.responses_store_max,
-                                            config.responses_store_ttl)
+        # "is None", not "or": an empty store is falsy (it has a length).
+        self.rate_limiter = (RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+                             if rate_limiter is None else rate_limiter)
+        self.response_store = (ResponseStore(config.responses_store_max,
+                                             config.responses_store_ttl)
+                               if response_store is None else response_store)
         # Generations admitted but not yet added to the engine (a route awaits between the
         # two): counted by check_queue so a burst cannot all slip past a full queue.
         self._admitted: weakref.WeakValueDictionary[int, Generation] = \
@@ -290,8 +297,31 @@ def rate_limit_key(request: Request, config: ServerConfig) -> str:
     return "addr:" + (request.client.host if request.client else "unknown")
 
 
+ROUTED_CONTEXT_KEY = "met_ctx"  # scope["state"] key where the model router puts a context
+
+
 def server_context(request: Request) -> ServerContext:
-    return request.app.state.ctx
+    """The context serving this request: the one engine's, or (``--models-dir``) the one of
+    the model the request names, which the model router (model_router.py) put in the scope.
+    A request that names no model on a several-model server is a 400 naming ``model``."""
+    routed = request.scope.get("state", {}).get(ROUTED_CONTEXT_KEY)
+    if routed is not None:
+        return routed
+    ctx = request.app.state.ctx
+    if ctx is None:
+        names = ", ".join(repr(n) for n in request.app.state.pool.names())
+        raise InvalidRequest(f"model: this server serves several models; name one in "
+                             f"'model' (one of {names})", "model")
+    return ctx
+
+
+def response_store(request: Request) -> ResponseStore:
+    """The stored /v1/responses results (one store per server, shared by all its models)."""
+    routed = request.scope.get("state", {}).get(ROUTED_CONTEXT_KEY)
+    if routed is not None:
+        return routed.response_store
+    ctx = request.app.state.ctx
+    return ctx.response_store if ctx is not None else request.app.state.pool.response_store
 
 
 def request_id(request: Request) -> str:

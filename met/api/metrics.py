@@ -145,6 +145,11 @@ class ServerMetrics:
                 self.recent_tpot.append(tpot)
 
     def render(self, engine: AsyncEngine) -> bytes:
+        self.refresh(engine)
+        return generate_latest(self.registry)
+
+    def refresh(self, engine: AsyncEngine) -> None:
+        """Set the gauges from the engine's last published snapshot."""
         s = engine.stats
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
@@ -171,4 +176,3 @@ class ServerMetrics:
             self.kv_total.set(s.kv.num_blocks_total)
             self.kv_used.set(s.kv.num_blocks_in_use)
             self.kv_usage.set(s.kv.num_blocks_in_use / max(1, s.kv.num_blocks_total))
-        return generate_latest(self.registry)

@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import met
 from met.api.context import parse_request, read_json, server_context
 from met.api.errors import ApiError
+from met.api.pool_routes import pool_health, pool_metrics, pool_of
 from met.engine.async_engine import SLEEP_LEVELS, EngineBusy, EngineState
 from met.serving.errors import InvalidRequest
 from met.serving.prompts import render_chat
@@ -22,7 +23,11 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> Response:
     """200 when ready; 503 while loading, sleeping (POST /sleep), or when faulted (with the
-    reason). /health is readiness: a sleeping server serves no generation."""
+    reason). /health is readiness: a sleeping server serves no generation. With
+    --models-dir: 200 with each model's state, models loading or not."""
+    pool = pool_of(request)
+    if pool is not None:
+        return JSONResponse(pool_health(pool))
     ctx = server_context(request)
     state = ctx.engine.state
     if state == EngineState.READY and ctx.model is not None:
@@ -45,6 +50,9 @@ async def version() -> dict:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    pool = pool_of(request)
+    if pool is not None:
+        return Response(pool_metrics(pool), media_type=CONTENT_TYPE_LATEST)
     ctx = server_context(request)
     return Response(ctx.metrics.render(ctx.engine), media_type=CONTENT_TYPE_LATEST)
 

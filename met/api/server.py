@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from types import FrameType
 
 import uvicorn
@@ -18,6 +19,7 @@ from fastapi import FastAPI
 
 from met.api.app import build_app
 from met.api.context import ServerConfig
+from met.api.model_pool import ModelPool, PoolConfig
 from met.config import EngineConfig
 from met.engine.async_engine import AsyncEngine
 from met.engine.core import EngineCore
@@ -37,7 +39,8 @@ class _DrainingServer(uvicorn.Server):
     SIGINT forces the exit. Unlike plain uvicorn it does not re-raise the signal afterwards,
     so a drained exit is status 0."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine | ModelPool,
+                 drain_timeout: float):
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
@@ -114,11 +117,13 @@ def port_taken(host: str, port: int) -> str | None:
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig,
-          attach: Callable[[uvicorn.Server, FastAPI], AbstractContextManager] | None = None
+          attach: Callable[[uvicorn.Server, FastAPI], AbstractContextManager] | None = None,
+          models: dict[str, str] | None = None, pool_config: PoolConfig | None = None
           ) -> int:
     """Run the server until a signal drains it; 1 if the model failed to load. ``attach``
-    (the CLI's terminal dashboard) is entered around the run with the server and its app."""
-    engine = AsyncEngine(lambda: _server_core(engine_config))
+    (the CLI's terminal dashboard) is entered around the run with the server and its app.
+    ``models`` (name → path, --models-dir): serve them all, loaded on demand, instead of
+    ``engine_config.model``; every model gets ``engine_config`` with its own path."""
     failed = threading.Event()
     server: _DrainingServer | None = None
 
@@ -127,7 +132,16 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, engine, on_fatal)
+    engine: AsyncEngine | ModelPool
+    if models is not None:
+        # No gc.freeze here (unlike one model): an unloaded model's objects must stay
+        # collectable.
+        engine = ModelPool(models, config, pool_config or PoolConfig(),
+                           lambda path: EngineCore(replace(engine_config, model=path)))
+        app = build_app(config, None, pool=engine)
+    else:
+        engine = AsyncEngine(lambda: _server_core(engine_config))
+        app = build_app(config, engine, on_fatal)
     server = _DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_config=None,
         access_log=config.log_requests, lifespan="on",
@@ -143,9 +157,14 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
                   "holds it", config.host, config.port, taken)
         return 1
     port = str(config.port) if config.port else "<a free port>"
-    log.info("met: serving %r on http://%s:%s — loading %s (dtype %s) in the background; "
-             "/health answers 503 until it is ready", config.model_name, config.host, port,
-             engine_config.model or "the embedded model", engine_config.dtype)
+    if models is not None:
+        log.info("met: serving %d models on http://%s:%s, each loaded when a request names it "
+                 "(dtype %s): %s", len(models), config.host, port, engine_config.dtype,
+                 ", ".join(models))
+    else:
+        log.info("met: serving %r on http://%s:%s — loading %s (dtype %s) in the background; "
+                 "/health answers 503 until it is ready", config.model_name, config.host,
+                 port, engine_config.model or "the embedded model", engine_config.dtype)
     with attach(server, app) if attach is not None else nullcontext():
         server.run()
     return 1 if failed.is_set() else 0

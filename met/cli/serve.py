@@ -26,9 +26,18 @@ def run(args: argparse.Namespace) -> int:
     from met.serving.validation import RequestLimits
 
     engine_config = build_engine_config(args)
-    source = resolve_model(engine_config.model, engine_config.cache_dir)  # fail fast, not later
-    names = args.served_model_name or [
-        engine_config.model if engine_config.model else source.path.stem.split(".")[0]]
+    models = pool_config = None
+    if args.models_dir is not None or args.models:
+        models, pool_config = _router_models(args, engine_config)
+        names = list(models)
+    else:
+        for flag in ("max_loaded_models", "idle_unload_seconds", "model_load_timeout"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')}: only with --models-dir or "
+                                 "--models (several models in one server)")
+        source = resolve_model(engine_config.model, engine_config.cache_dir)  # fail fast
+        names = args.served_model_name or [
+            engine_config.model if engine_config.model else source.path.stem.split(".")[0]]
     keys = list(args.api_key or [])
     if not keys and os.environ.get("MET_API_KEY"):
         keys = [os.environ["MET_API_KEY"]]
@@ -52,7 +61,28 @@ def run(args: argparse.Namespace) -> int:
         allow_runtime_lora=args.allow_runtime_lora,
         score_mode=args.score_mode,
     )
+    if models is not None:  # the dashboard shows one engine: the plain log here
+        return serve(engine_config, config, models=models, pool_config=pool_config)
     return serve(engine_config, config, attach=_face(args))
+
+
+def _router_models(args: argparse.Namespace, engine_config):
+    """--models-dir / --models: the models (name → path) and the pool's flags."""
+    from met.api.model_pool import PoolConfig
+    from met.loader.models_dir import collect_models
+
+    if engine_config.model is not None:
+        raise ValueError("--models-dir: serves the models in the directory; pass MODEL with "
+                         "--models instead of as the model argument")
+    if args.served_model_name:
+        raise ValueError("--served-model-name: with --models-dir each model is served under "
+                         "its directory or file name")
+    models = collect_models(args.models_dir, list(args.models or []), engine_config.cache_dir)
+    pool = PoolConfig(
+        max_loaded_models=4 if args.max_loaded_models is None else args.max_loaded_models,
+        idle_unload_seconds=args.idle_unload_seconds,
+        load_timeout=300.0 if args.model_load_timeout is None else args.model_load_timeout)
+    return models, pool
 
 
 def _face(args: argparse.Namespace):
@@ -72,6 +102,26 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", action="append", default=None,
                    help="the name clients use in 'model' (repeatable; default: the MODEL "
                         "argument)")
+    router = p.add_argument_group(
+        "several models (llama.cpp's router mode; docs/models-dir.md)")
+    router.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="serve every model in DIR: each checkpoint directory (config.json "
+                             "or one .gguf) under its name, each .gguf file under its name "
+                             "without .gguf; loaded when a request names it")
+    router.add_argument("--models", nargs="+", default=None, metavar="MODEL",
+                        help="more models for the router (paths or HF-cache ids, served under "
+                             "the directory / file name, or the id); alone or beside "
+                             "--models-dir")
+    router.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                        help="at most N models loaded at once (default 4); loading another "
+                             "unloads the least recently used idle one, and waits while all "
+                             "are busy")
+    router.add_argument("--idle-unload-seconds", type=float, default=None, metavar="S",
+                        help="unload a model no request has used for S seconds (default: "
+                             "never)")
+    router.add_argument("--model-load-timeout", type=float, default=None, metavar="S",
+                        help="how long a request waits for its model to load (default 300); "
+                             "then 503 + Retry-After (the load goes on)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (repeatable; "
                         "default $MET_API_KEY)")

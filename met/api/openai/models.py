@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from met.api.context import ServerContext, server_context
+from met.api.model_pool import LOADED, ModelEntry, ModelPool
 from met.serving.errors import InvalidRequest
 
 router = APIRouter()
 
 
-def _card(ctx: ServerContext, name: str) -> dict:
+def model_card(ctx: ServerContext, name: str) -> dict:
     model = ctx.model
     return {
         "id": name, "object": "model", "created": ctx.created, "owned_by": "met",
@@ -23,6 +24,21 @@ def _card(ctx: ServerContext, name: str) -> dict:
     }
 
 
+def entry_card(pool: ModelPool, e: ModelEntry) -> dict:
+    """/v1/models' card for a pool model: the usual fields once loaded, plus ``state``
+    (loaded, loading, unloading, unloaded, failed) and ``error`` when its load failed."""
+    if e.state == LOADED and e.ctx is not None:
+        card = model_card(e.ctx, e.name)
+    else:
+        card = {"id": e.name, "object": "model", "created": pool.created, "owned_by": "met",
+                "root": e.path, "parent": None, "max_model_len": None, "dtype": None,
+                "quantization": None, "kv_cache_dtype": None}
+    card["state"] = e.state
+    if e.error is not None:
+        card["error"] = e.error
+    return card
+
+
 def _adapter_card(ctx: ServerContext, name: str) -> dict:
     lora = ctx.engine.core.lora
     adapter = lora.adapters[name]
@@ -32,7 +48,7 @@ def _adapter_card(ctx: ServerContext, name: str) -> dict:
 
 
 def _cards(ctx: ServerContext) -> list[dict]:
-    cards = [_card(ctx, n) for n in ctx.config.served_model_names]
+    cards = [model_card(ctx, n) for n in ctx.config.served_model_names]
     for name in ctx.adapter_names():
         try:
             cards.append(_adapter_card(ctx, name))
@@ -43,16 +59,22 @@ def _cards(ctx: ServerContext) -> list[dict]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
+    pool = request.app.state.pool
+    if pool is not None:  # --models-dir: every model, with its state
+        return {"object": "list", "data": [entry_card(pool, e) for e in pool.entries.values()]}
     ctx = server_context(request)
     return {"object": "list", "data": _cards(ctx)}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
+    pool = request.app.state.pool
+    if pool is not None:
+        return entry_card(pool, pool.entry(model_id))
     ctx = server_context(request)
     if model_id in ctx.adapter_names():
         return _adapter_card(ctx, model_id)
     if model_id not in ctx.config.served_model_names:
         raise InvalidRequest(f"model: the model {model_id!r} does not exist", "model",
                              "model_not_found", 404)
-    return _card(ctx, model_id)
+    return model_card(ctx, model_id)

@@ -13,7 +13,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from met.api.context import ServerContext, parse_request, read_json, server_context
+from met.api.context import (
+    ServerContext,
+    parse_request,
+    read_json,
+    response_store,
+    server_context,
+)
 from met.api.errors import ApiError
 from met.api.openai.chat import feed_choice, start_chat
 from met.api.openai.common import now, respond, stream_events
@@ -65,7 +71,7 @@ async def create_response(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str) -> JSONResponse:
-    stored = server_context(request).response_store.get(response_id)
+    stored = response_store(request).get(response_id)
     if stored is None:
         raise _not_found(response_id)
     return JSONResponse(stored.response)
@@ -73,7 +79,7 @@ async def get_response(request: Request, response_id: str) -> JSONResponse:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> JSONResponse:
-    if not server_context(request).response_store.delete(response_id):
+    if not response_store(request).delete(response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
