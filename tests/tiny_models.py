@@ -46,6 +46,7 @@ ARCHS = (
     "qwen3",
     "gemma3",
     "qwen3_moe",
+    "deepseek_v3",
 )
 
 # Shared shape of every tiny model.
@@ -62,6 +63,13 @@ SLIDING_WINDOW = 8
 # first pair is kept, the next two are smoothly interpolated and the rest divided by 8.
 LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
+# deepseek_v3's MLA widths: a cached latent row is KV_LORA_RANK + ROPE_DIM = 48 values per
+# token and layer, where full K/V would be NUM_HEADS * (NOPE + ROPE + V) = 224.
+DEEPSEEK_Q_LORA_RANK = 32
+DEEPSEEK_KV_LORA_RANK = 32
+DEEPSEEK_ROPE_DIM = 16
+DEEPSEEK_NOPE_DIM = 16
+DEEPSEEK_V_DIM = 24
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -73,6 +81,7 @@ VOCAB = {
     "qwen3": 384,
     "gemma3": 448,
     "qwen3_moe": 384,
+    "deepseek_v3": 384,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
@@ -138,6 +147,7 @@ SPECS = {
     # sharper q/k norms keep attention from averaging everything into a constant.
     "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
     "qwen3_moe": ArchSpec(seed_offset=2),
+    "deepseek_v3": ArchSpec(seed_offset=0),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -151,6 +161,7 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "qwen3": (0.0186, 0.909, 19),
     "gemma3": (0.0208, 1.064, 21),
     "qwen3_moe": (0.0383, 1.016, 20),
+    "deepseek_v3": (0.0, 0.0, 0),
 }
 
 
@@ -294,6 +305,32 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             },
         )
+    if arch == "deepseek_v3":
+        # MLA: q through a low-rank q_a/q_b pair, KV through one latent of kv_lora_rank plus
+        # a shared rope key; v_head_dim != qk head dim on purpose. Layer 0 dense, layer 1
+        # MoE with 8 experts in 2 groups (top-2 within the 1 best group) plus a shared one.
+        # The reference repeats K/V per num_key_value_heads group: MLA needs kv heads == heads.
+        common.pop("head_dim")
+        return tf.DeepseekV3Config(
+            **(common | {"num_key_value_heads": NUM_HEADS}),
+            q_lora_rank=DEEPSEEK_Q_LORA_RANK,
+            kv_lora_rank=DEEPSEEK_KV_LORA_RANK,
+            qk_rope_head_dim=DEEPSEEK_ROPE_DIM,
+            qk_nope_head_dim=DEEPSEEK_NOPE_DIM,
+            v_head_dim=DEEPSEEK_V_DIM,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -309,6 +346,7 @@ def _model_class(arch: str):
         "qwen3": tf.Qwen3ForCausalLM,
         "gemma3": tf.Gemma3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "deepseek_v3": tf.DeepseekV3ForCausalLM,
     }[arch]
 
 
@@ -365,6 +403,9 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * (spec.gain / math.sqrt(fan_in)))
             else:
                 raise RuntimeError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: steers the choice
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
 
 
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0,

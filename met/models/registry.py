@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from met.models.base import CausalLM
+from met.models.deepseek import DeepseekForCausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
 from met.models.llama import LlamaForCausalLM
 
@@ -15,6 +16,8 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -25,6 +28,8 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
