@@ -1,0 +1,118 @@
+"""DeepSeek-V3 through the engine: the KV cache holds the compressed latent only, bfloat16
+runs on the plain PyTorch modules, an int8 latent cache serves, multi-token-prediction
+layers in a checkpoint are skipped. (Greedy tokens vs transformers: test_oracle_models.py,
+arch deepseek_v3.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import (
+    DEEPSEEK_KV_LORA_RANK,
+    DEEPSEEK_NOPE_DIM,
+    DEEPSEEK_ROPE_DIM,
+    DEEPSEEK_V_DIM,
+    NUM_HEADS,
+    NUM_LAYERS,
+    hf_greedy_trace,
+    oracle_prompts,
+)
+
+from met import LLM, SamplingParams
+from met.runner.model_runner import kv_bytes_per_block
+
+BLOCK = 16
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def test_kv_cache_holds_only_the_latent(tiny_checkpoint):
+    """Per token and layer the cache stores kv_lora_rank + qk_rope_head_dim values (one row,
+    no values), the size the engine reports and allocates: 48 float32 values, where full
+    per-head K and V would be 4 * (32 + 24) = 224."""
+    llm = LLM(str(tiny_checkpoint("deepseek_v3")), dtype="float32", block_size=BLOCK,
+              max_model_len=256, kv_cache_memory=1 << 20)
+    engine = llm.engine
+    latent = DEEPSEEK_KV_LORA_RANK + DEEPSEEK_ROPE_DIM
+    full_kv = NUM_HEADS * (DEEPSEEK_NOPE_DIM + DEEPSEEK_ROPE_DIM + DEEPSEEK_V_DIM)
+    assert engine.loaded.model.kv_layout == (NUM_LAYERS, 1, latent)
+    per_block = kv_bytes_per_block(engine.loaded.model, BLOCK, torch.float32)
+    assert per_block == NUM_LAYERS * BLOCK * latent * 4
+    assert per_block * full_kv // latent == NUM_LAYERS * BLOCK * full_kv * 4  # 4.7x smaller
+    num_blocks = engine.kv_stats().num_blocks_total
+    assert num_blocks == (1 << 20) // per_block
+    caches = engine.runner.kv_caches
+    assert len(caches) == NUM_LAYERS
+    for cache in caches:
+        assert cache.k.shape == (1, num_blocks * BLOCK, latent)
+        assert cache.v.numel() == 0
+    assert engine.kv_pool_bytes == num_blocks * per_block
+    # ... and it serves: a request's latents go where its block table says.
+    prompt = oracle_prompts("deepseek_v3")[1]
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(4))
+    ref = hf_greedy_trace(tiny_checkpoint("deepseek_v3"), prompt, 4)
+    assert list(out.outputs[0].token_ids) == ref.tokens
+
+
+def test_bfloat16_runs_and_agrees_with_float32(tiny_checkpoint):
+    """bfloat16 on CPU (where the fused Llama paths would otherwise run) goes through the
+    plain modules; where transformers' float32 top-1 is clear (margin > 0.5), bfloat16's
+    first greedy token is the same."""
+    model_dir = tiny_checkpoint("deepseek_v3")
+    llm = LLM(str(model_dir), dtype="bfloat16", block_size=BLOCK, max_model_len=256,
+              enable_prefix_caching=False)
+    model = llm.engine.loaded.model
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert not hasattr(model, "_fused_layers") and not model.prompt_rows_first
+    prompts = oracle_prompts("deepseek_v3")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(8))
+    checked = 0
+    for out, prompt in zip(outs, prompts, strict=True):
+        ref = hf_greedy_trace(model_dir, prompt, 8)
+        assert len(out.outputs[0].token_ids) == 8
+        if ref.margins[0] > 0.5:
+            assert out.outputs[0].token_ids[0] == ref.tokens[0], len(prompt)
+            checked += 1
+    assert checked >= 2
+
+
+def test_int8_latent_cache_serves(tiny_checkpoint):
+    """--kv-cache-dtype int8: each latent row int8 with one float32 scale (48 + 4 bytes per
+    token and layer); greedy tokens stay transformers' on the first steps of every prompt."""
+    model_dir = tiny_checkpoint("deepseek_v3")
+    llm = LLM(str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
+              kv_cache_dtype="int8", enable_prefix_caching=False)
+    cache = llm.engine.runner.kv_caches[0]
+    assert cache.k.dtype == torch.int8 and cache.v.numel() == 0
+    per_block = kv_bytes_per_block(llm.engine.loaded.model, BLOCK, torch.float32, "int8")
+    assert per_block == NUM_LAYERS * BLOCK * (DEEPSEEK_KV_LORA_RANK + DEEPSEEK_ROPE_DIM + 4)
+    prompts = oracle_prompts("deepseek_v3")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(4))
+    for out, prompt in zip(outs, prompts, strict=True):
+        ref = hf_greedy_trace(model_dir, prompt, 4)
+        assert out.outputs[0].token_ids[0] == ref.tokens[0], len(prompt)
+
+
+def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
+    """DeepSeek-V3 checkpoints carry their MTP module as one extra decoder layer after the
+    last; met loads the model without it."""
+    src = tiny_checkpoint("deepseek_v3")
+    model_dir = tmp_path / "with-mtp"
+    shutil.copytree(src, model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    extra = {k.replace(f"model.layers.{NUM_LAYERS - 1}.", f"model.layers.{NUM_LAYERS}."):
+             v.clone()
+             for k, v in tensors.items() if k.startswith(f"model.layers.{NUM_LAYERS - 1}.")}
+    extra[f"model.layers.{NUM_LAYERS}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors | extra, str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == NUM_LAYERS
+    prompt = oracle_prompts("deepseek_v3")[2]
+    llm = LLM(str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=256)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(6))
+    assert list(out.outputs[0].token_ids) == hf_greedy_trace(src, prompt, 6).tokens
