@@ -16,6 +16,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 def _targets(arch: str) -> list[str]:
+    if arch == "deepseek_v3":  # MLA has only o_proj of these (its q/kv are low-rank pairs)
+        return ["o_proj"]
     return ALL[:4] if arch == "qwen3_moe" else ALL  # its MLP is experts, not projections
 
 
