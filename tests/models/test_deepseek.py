@@ -116,3 +116,19 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
     llm = LLM(str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=256)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(6))
     assert list(out.outputs[0].token_ids) == hf_greedy_trace(src, prompt, 6).tokens
+
+
+def test_small_latent_pool_preempts_and_matches_hf(tiny_checkpoint):
+    """A pool sized in latent blocks that cannot hold every request at once: requests wait
+    or are preempted, and every greedy token is still transformers'."""
+    model_dir = tiny_checkpoint("deepseek_v3")
+    per_block = NUM_LAYERS * BLOCK * (DEEPSEEK_KV_LORA_RANK + DEEPSEEK_ROPE_DIM) * 4
+    llm = LLM(str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
+              kv_cache_memory=12 * per_block, enable_prefix_caching=False)
+    assert llm.kv_stats().num_blocks_total == 12
+    prompts = oracle_prompts("deepseek_v3")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(32))
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy_trace(model_dir, prompt, 32).tokens
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.kv_stats().num_blocks_in_use == 0
