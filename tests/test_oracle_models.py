@@ -2,7 +2,8 @@
 
 For every tiny architecture (tests/tiny_models.py: llama, llama3 rope scaling, tied
 embeddings, mistral sliding window, qwen2 qkv bias, qwen3 q/k norm, gemma3 mixed
-sliding/full layers, qwen3 MoE) and prompts of 5, 17, 40 and 75 tokens (under, across and
+sliding/full layers, qwen3 MoE, deepseek_v3 MLA with
+grouped-routing MoE) and prompts of 5, 17, 40 and 75 tokens (under, across and
 well past 16-token block boundaries; past the sliding window of 8; past llama3's original
 context of 64), met's greedy tokens must equal transformers' and each chosen token's logprob
 must match within 1e-4, whether a prompt runs alone, batched with others, in 16-token
