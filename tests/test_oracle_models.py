@@ -48,8 +48,10 @@ LOGPROB_ATOL = 1e-4
 # Smallest top-1 minus top-2 logit gap allowed on any tested greedy step (logits have std ~4,
 # float32 disagreement between implementations is ~1e-5). Observed minima: see tiny_models.
 MIN_MARGIN = 1e-2
-# Smallest gap between the 2nd and 3rd router probability (qwen3_moe top-2 of 4 experts).
+# Smallest gap between the k-th and (k+1)-th router probability (top-2 of 4 experts).
 MIN_ROUTER_GAP = 2e-5
+# The MoE archs and their router module's name under layer.mlp in transformers.
+MOE_ROUTERS = [("qwen3_moe", "gate"), ("mixtral", "gate"), ("gpt_oss", "router")]
 
 
 def greedy_params(max_tokens: int = MAX_NEW_TOKENS, logprobs: int = 0) -> SamplingParams:
@@ -175,7 +177,7 @@ def test_chunked_prefill_matches_hf(arch, tiny_checkpoint):
         assert_matches_hf(out, model_dir, prompt)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_small_kv_pool_matches_hf(arch, tiny_checkpoint):
     """A KV pool too small for all requests at once (forces waiting / preemption) changes
     nothing in the output."""
@@ -282,22 +284,25 @@ def test_hf_reference_is_decisive(arch, tiny_checkpoint):
         assert -3.0 < mean_lp < -0.1, f"{arch}: mean chosen logprob {mean_lp:.3f}"
 
 
-def test_hf_moe_routing_is_decisive(tiny_checkpoint):
-    """qwen3_moe: the 2nd and 3rd expert are never near-tied on a tested sequence, so a
-    float32 rounding difference cannot flip which experts run."""
-    model_dir = tiny_checkpoint("qwen3_moe")
+@pytest.mark.parametrize("arch,router", MOE_ROUTERS)
+def test_hf_moe_routing_is_decisive(arch, router, tiny_checkpoint):
+    """MoE archs: the k-th and (k+1)-th expert are never near-tied on a tested sequence, so
+    a float32 rounding difference cannot flip which experts run."""
+    model_dir = tiny_checkpoint(arch)
     model = load_hf_model(str(model_dir))
+    k = model.config.num_experts_per_tok
     gaps: list[float] = []
 
     def hook(_module, _inputs, output):
         probs = torch.softmax(output[0].to(torch.float64), dim=-1)
         top = probs.sort(dim=-1, descending=True).values
-        gaps.append(float((top[:, 1] - top[:, 2]).min()))
+        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
 
-    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
+    handles = [getattr(layer.mlp, router).register_forward_hook(hook)
+               for layer in model.model.layers]
     try:
         with torch.inference_mode():
-            for prompt in all_test_prompts("qwen3_moe", model_dir):
+            for prompt in all_test_prompts(arch, model_dir):
                 ref = hf_greedy_trace(model_dir, prompt, MAX_NEW_TOKENS)
                 model(input_ids=torch.tensor([prompt + ref.tokens]), use_cache=False)
     finally:
@@ -347,7 +352,7 @@ def _diverges(model_a, model_b, prompt) -> bool:
     return max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=False)) > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "mixtral", "gpt_oss"])
 def test_hf_sliding_window_matters(arch, tiny_checkpoint):
     """Ignoring the window, or getting its width off by one, would change the output, so
     met's window handling is really tested. (transformers: the query at position q sees keys
@@ -430,6 +435,15 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
     if arch == "gemma3":
         assert config["layer_types"] == ["sliding_attention", "full_attention"]
         assert config["query_pre_attn_scalar"] != config["head_dim"]
+    if arch == "mixtral":  # the Hub's Mixtral layout
+        assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in tensors
+        assert "model.layers.1.block_sparse_moe.experts.0.w2.weight" in tensors
+        assert "model.layers.0.block_sparse_moe.gate.weight" in tensors
+    if arch == "gpt_oss":
+        assert config["layer_types"] == ["sliding_attention", "full_attention"]
+        assert tensors["model.layers.0.self_attn.sinks"].shape == (config["num_attention_heads"],)
+        for part in ("router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias"):
+            assert tensors[f"model.layers.1.mlp.{part}"].abs().min() > 0, part
 
     tokenizer = load_tokenizer(str(model_dir))
     assert len(tokenizer) == config["vocab_size"]
@@ -441,6 +455,21 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_hf_gpt_oss_sinks_and_swiglu_limit_matter(tiny_checkpoint):
+    """Dropping the attention sinks, or not clamping the SwiGLU, changes gpt_oss's output,
+    so met's sinks and clamps are really tested."""
+    model_dir = tiny_checkpoint("gpt_oss")
+    reference = load_hf_model(str(model_dir))
+    no_sinks = load_hf_model_with(model_dir)
+    with torch.no_grad():
+        for layer in no_sinks.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    unclamped = load_hf_model_with(model_dir, swiglu_limit=1e4)
+    for prompt in oracle_prompts("gpt_oss"):
+        assert _diverges(reference, no_sinks, prompt), len(prompt)
+        assert _diverges(reference, unclamped, prompt), len(prompt)
 
 
 def test_hf_deepseek_group_limit_and_bias_matter(tiny_checkpoint):

@@ -21,8 +21,13 @@ random ids of length 5, 17, 40, 75 plus the two TEXT_PROMPTS; 32 greedy steps ea
 ``OBSERVED``: the smallest top-1 minus top-2 logit margin is 0.014 (qwen2), i.e. >1e3 times
 the ~1e-5 float32 disagreement between two implementations and ~3.5e-3 of the logit std;
 median margins are ~0.8-1.1; every 32-token continuation has >= 18 distinct tokens.
-qwen3_moe's smallest gap between the 2nd and 3rd router probability is ~1.4e-4.
+qwen3_moe's smallest gap between the 2nd and 3rd router probability is ~1.4e-4 (mixtral's
+2.5e-4, gpt_oss's 1.3e-4; transformers 5.25). gpt_oss's attention sinks are N(-1, 1): with
+larger ones the tiny model attends to little and repeats itself.
 Building all eight checkpoints takes ~0.2 s after the ~1.5 s transformers import.
+The scaled-rope archs (llama_yarn, llama_dynamic, llama_longrope) start or cross their
+original length of 32 on every test prompt; for the length-dependent ones (dynamic,
+longrope) the reference is transformers' cached generate (``generate_trace``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ ARCHS = (
     "qwen3",
     "gemma3",
     "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "llama_yarn",
+    "llama_dynamic",
+    "llama_longrope",
     "deepseek_v3",
 )
 
@@ -63,6 +73,12 @@ SLIDING_WINDOW = 8
 # first pair is kept, the next two are smoothly interpolated and the rest divided by 8.
 LLAMA3_ORIGINAL_MAX_POS = 64
 TIED_EMB_STD = 0.1
+GPT_OSS_SWIGLU_LIMIT = 1.5
+# Scaled ropes (yarn, dynamic NTK, longrope): an original length of 32, so the 40- and
+# 75-token prompts start past it and the 5- and 17-token ones cross it while decoding.
+# dynamic NTK grows from max_position_embeddings, so llama_dynamic's is 32 (factor 8: met
+# allows 256 tokens).
+SCALED_ROPE_ORIGINAL_MAX_POS = 32
 # deepseek_v3's MLA widths: a cached latent row is KV_LORA_RANK + ROPE_DIM = 48 values per
 # token and layer, where full K/V would be NUM_HEADS * (NOPE + ROPE + V) = 224.
 DEEPSEEK_Q_LORA_RANK = 32
@@ -81,11 +97,17 @@ VOCAB = {
     "qwen3": 384,
     "gemma3": 448,
     "qwen3_moe": 384,
+    "mixtral": 352,
+    "gpt_oss": 416,
+    "llama_yarn": 384,
+    "llama_dynamic": 352,
+    "llama_longrope": 320,
     "deepseek_v3": 384,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
-ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3"}
+ADDS_BOS = {"llama", "llama3_rope", "llama_tied", "mistral", "gemma3", "mixtral",
+            "llama_yarn", "llama_dynamic", "llama_longrope"}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN = "<|endoftext|>"
@@ -147,6 +169,11 @@ SPECS = {
     # sharper q/k norms keep attention from averaging everything into a constant.
     "gemma3": ArchSpec(emb_std=0.0125, qk_norm_scale=2.0, seed_offset=3),
     "qwen3_moe": ArchSpec(seed_offset=2),
+    "mixtral": ArchSpec(seed_offset=5),
+    "gpt_oss": ArchSpec(seed_offset=2),
+    "llama_yarn": ArchSpec(seed_offset=8),
+    "llama_dynamic": ArchSpec(seed_offset=1),
+    "llama_longrope": ArchSpec(seed_offset=3),
     "deepseek_v3": ArchSpec(seed_offset=28),
 }
 
@@ -161,6 +188,13 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "qwen3": (0.0186, 0.909, 19),
     "gemma3": (0.0208, 1.064, 21),
     "qwen3_moe": (0.0383, 1.016, 20),
+    "mixtral": (0.0116, 0.889, 26),
+    "gpt_oss": (0.0241, 1.055, 13),
+    # transformers 5.25.0; the length-dependent ropes against transformers' cached generate
+    # (generate_trace).
+    "llama_yarn": (0.0106, 0.796, 24),
+    "llama_dynamic": (0.0204, 0.843, 15),
+    "llama_longrope": (0.0133, 1.018, 20),
     "deepseek_v3": (0.0257, 0.695, 22),
 }
 
@@ -305,6 +339,59 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             },
         )
+    if arch == "mixtral":
+        return tf.MixtralConfig(
+            **(common | {"intermediate_size": 32}),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "gpt_oss":
+        return tf.GptOssConfig(
+            **(common | {"intermediate_size": 32}),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            attention_bias=True,
+            # Low enough that both clamps of its SwiGLU bite on the tiny model's activations.
+            swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "llama_yarn":
+        return tf.LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": MAX_POS / SCALED_ROPE_ORIGINAL_MAX_POS,
+                "original_max_position_embeddings": SCALED_ROPE_ORIGINAL_MAX_POS,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+            },
+        )
+    if arch == "llama_dynamic":
+        common["max_position_embeddings"] = SCALED_ROPE_ORIGINAL_MAX_POS
+        return tf.LlamaConfig(
+            **common, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                       "factor": 8.0},
+        )
+    if arch == "llama_longrope":
+        half = head_dim // 2
+        return tf.LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": SCALED_ROPE_ORIGINAL_MAX_POS,
+                "factor": MAX_POS / SCALED_ROPE_ORIGINAL_MAX_POS,
+                "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                "long_factor": [1.0 + 2.0 * i for i in range(half)],
+            },
+        )
     if arch == "deepseek_v3":
         # MLA: q through a low-rank q_a/q_b pair, KV through one latent of kv_lora_rank plus
         # a shared rope key; v_head_dim != qk head dim on purpose. Layer 0 dense, layer 1
@@ -346,6 +433,11 @@ def _model_class(arch: str):
         "qwen3": tf.Qwen3ForCausalLM,
         "gemma3": tf.Gemma3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "mixtral": tf.MixtralForCausalLM,
+        "gpt_oss": tf.GptOssForCausalLM,
+        "llama_yarn": tf.LlamaForCausalLM,
+        "llama_dynamic": tf.LlamaForCausalLM,
+        "llama_longrope": tf.LlamaForCausalLM,
         "deepseek_v3": tf.DeepseekV3ForCausalLM,
     }[arch]
 
@@ -397,6 +489,8 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith(".mlp.gate.weight"):  # MoE router: make routing decisive
                 p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
+            elif arch == "gpt_oss" and _init_gpt_oss(name, p, gen, spec):
+                pass
             elif p.dim() >= 2:
                 # nn.Linear weights are (out, in); fused MoE experts are (E, out, in).
                 fan_in = p.shape[-1]
@@ -406,6 +500,23 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: steers the choice
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+
+
+def _init_gpt_oss(name: str, p, gen, spec: ArchSpec) -> bool:
+    """gpt-oss's own parameters: attention sinks (a logit per head, about as large as the
+    attention scores so they take a visible share), a decisive router, experts stored
+    transposed (E, in, out) and their (E, out) biases. False for the others."""
+    if name.endswith(".self_attn.sinks"):
+        p.copy_(torch.randn(p.shape, generator=gen) - 1.0)
+    elif name.endswith(".mlp.router.weight"):
+        p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
+    elif name.endswith("_proj_bias"):
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        p.copy_(torch.randn(p.shape, generator=gen) * (spec.gain / math.sqrt(p.shape[-2])))
+    else:
+        return False
+    return True
 
 
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0,
@@ -560,10 +671,54 @@ def greedy_trace(model, prompt_ids, max_new_tokens: int) -> GreedyTrace:
     )
 
 
+def generate_trace(model, prompt_ids, max_new_tokens: int, chunk: int = 0) -> GreedyTrace:
+    """The oracle of a length-dependent rope (dynamic NTK, LongRoPE): transformers' own
+    cached greedy generate, logprobs from each step's logits. Its rope rotates the prompt
+    for the prompt's length and each new token for the length it makes, keeping cached keys
+    as they were; a full-context forward instead rotates every position for the whole
+    context, so `greedy_trace`'s teacher-forced check does not apply. ``model`` must be
+    fresh (a dynamic rope keeps its longest length across calls). ``chunk``: feed the
+    prompt in pieces of that many tokens."""
+    new_api = "cache" in inspect.signature(model.forward).parameters
+    cache_kw = "cache" if new_api else "past_key_values"
+    prompt = [int(t) for t in prompt_ids]
+    pieces = [prompt[i:i + chunk] for i in range(0, len(prompt), chunk)] if chunk else [prompt]
+    rows, tokens, past = [], [], None
+    with torch.inference_mode():
+        for piece in pieces + [None] * (max_new_tokens - 1):
+            ids = piece if piece is not None else [tokens[-1]]
+            kw = {cache_kw: past} if past is not None else {}
+            out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True, **kw)
+            past = out.cache if new_api else out.past_key_values
+            if piece is None or piece is pieces[-1]:
+                rows.append(out.logits[0, -1].to(torch.float64))
+                tokens.append(int(rows[-1].argmax()))
+        rows = torch.stack(rows)
+        logprobs = torch.log_softmax(rows, dim=-1)
+        top2 = torch.topk(rows, 2, dim=-1).values
+    return GreedyTrace(
+        tokens=tokens,
+        logprobs=[float(logprobs[i, t]) for i, t in enumerate(tokens)],
+        margins=[float(m) for m in (top2[:, 0] - top2[:, 1])],
+        rows_logprobs=logprobs.to(torch.float32),
+    )
+
+
+def length_dependent_rope(model_dir) -> bool:
+    """Whether the checkpoint's rope depends on the sequence length (dynamic, longrope)."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope")
+
+
 @functools.lru_cache(maxsize=512)
 def _hf_greedy_cached(
     model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int
 ) -> GreedyTrace:
+    if length_dependent_rope(model_dir):
+        return generate_trace(load_hf_model_with(model_dir), prompt_ids, max_new_tokens)
     return greedy_trace(load_hf_model(model_dir), prompt_ids, max_new_tokens)
 
 

@@ -268,7 +268,8 @@ class EngineCore:
                 f"has {self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens"
             )
         req = Request(request_id, list(prompt_token_ids), params,
-                      eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt)
+                      eos_token_ids=self.loaded.eos_token_ids, cache_salt=cache_salt,
+                      rope_key=self.loaded.rope_key(len(prompt_token_ids)))
         if params.pooling is not None:
             req.pooled = PoolState(params.pooling)
         elif params.structured_outputs is not None:

@@ -75,8 +75,12 @@ def dequantize(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                         meta: VarlenMeta, scale: float, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
-    """What the Triton kernel computes, in float32 PyTorch ops, one sequence at a time."""
+                        softcap: float | None = None, sinks: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """What the Triton kernel computes, in float32 PyTorch ops, one sequence at a time.
+
+    ``sinks`` [H] (gpt-oss): a learned logit per head that joins every row's softmax
+    denominator and attends to nothing (the row's weights then sum to less than one)."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[0]
     for i, n in enumerate(meta.q_lens):
@@ -96,5 +100,10 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if window:
             mask &= pos - key < window
         s = s.masked_fill(~mask.to(s.device), -math.inf)
-        out[qs:qs + n] = (torch.softmax(s, -1) @ v).transpose(0, 1).to(q.dtype)
+        if sinks is None:
+            p = torch.softmax(s, -1)
+        else:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+            p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+        out[qs:qs + n] = (p @ v).transpose(0, 1).to(q.dtype)
     return out

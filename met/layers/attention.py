@@ -31,12 +31,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's cached context; returns [T, H, D].
 
     Writes the step's new keys and values k, v [T, Hkv, D] into their slots first."""
     write_kv(kv_cache, batch.slot_mapping, k, v)
-    return attend_cached(q, kv_cache, batch, scale, sliding_window, softcap)
+    return attend_cached(q, kv_cache, batch, scale, sliding_window, softcap, sinks)
 
 
 def attend_cached(
@@ -46,6 +47,7 @@ def attend_cached(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` once the step's keys and values are already in the cache.
 
@@ -53,7 +55,13 @@ def attend_cached(
     through their own kernels (`ForwardBatch.prompt_rows`) has them attended by the
     prompt-attention kernel where it applies (a bfloat16 cache on an AMX-BF16 CPU, full
     attention); every other row as before. Score softcapping (Gemma-2) runs on the Triton
-    kernel or the plain varlen reference."""
+    kernel or the plain varlen reference. Attention sinks (gpt-oss: a logit per head in
+    every softmax denominator) run on the plain varlen reference only, on any device: the
+    native CPU and Triton kernels do not take them yet."""
+    if sinks is not None:
+        return varlen.attention_reference(q, kv_cache.k, kv_cache.v, kv_cache.k_scale,
+                                          kv_cache.v_scale, batch.varlen(), scale,
+                                          sliding_window, softcap, sinks)
     if kv_cache.triton or softcap:
         run = triton_attention.attention if kv_cache.triton else varlen.attention_reference
         return run(q, kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale,

@@ -50,6 +50,9 @@ class SeqSpan:
     # Each query row attends alone through the one-row (decode) kernel: a speculative
     # verify's rows then attend exactly as the decodes they stand for would.
     rows_apart: bool = False
+    # The request's prompt length (its positions below it are prompt positions): what a
+    # length-dependent rope needs (`ForwardBatch.rope_seq_lens`).
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,20 @@ class ForwardBatch:
             seqs = tuple(s for s in self.seqs if s.q_start >= first_row)
             plan = self.memo[key] = _build_plan(seqs, window, self.row_attention)
         return plan
+
+    def rope_seq_lens(self) -> torch.Tensor:
+        """Each row's rope length (long [T]) for a length-dependent rope (met.layers.rotary):
+        a prompt position takes its request's prompt length, a generated one its own
+        length (position + 1), as transformers' generate sees them (the whole prompt in
+        one forward, then one token per forward) however the prompt is chunked, batched,
+        recomputed after a preemption or verified speculatively."""
+        lens = self.memo.get("rope_seq_lens")
+        if lens is None:
+            prompt = torch.zeros_like(self.positions)
+            for s in self.seqs:
+                prompt[s.q_start:s.q_start + s.q_len] = s.prompt_len
+            lens = self.memo["rope_seq_lens"] = torch.maximum(prompt, self.positions + 1)
+        return lens
 
     def varlen(self) -> VarlenMeta:
         """Every sequence as flat varlen metadata (the Triton attention backend's input)."""

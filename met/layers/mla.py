@@ -121,11 +121,12 @@ class MLAttention(nn.Module):
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)
         k_rot = k_rot.reshape(t, 1, self.rope_dim)
+        seq_lens = self.rotary.seq_lens(batch)
         if self.interleave:
-            cos, sin = self.rotary.cos_sin(batch.positions, q.dtype, batch.memo)
+            cos, sin = self.rotary.cos_sin(batch.positions, q.dtype, batch.memo, seq_lens)
             q_rot, k_rot = rope_interleaved(q_rot, cos, sin), rope_interleaved(k_rot, cos, sin)
         else:
-            q_rot, k_rot = self.rotary(batch.positions, q_rot, k_rot, batch.memo)
+            q_rot, k_rot = self.rotary(batch.positions, q_rot, k_rot, batch.memo, seq_lens)
         write_keys(kv_cache, batch.slot_mapping, torch.cat([c.unsqueeze(1), k_rot], dim=-1))
 
         plan = batch.window_plan(None)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import gguf
 import numpy as np
 import torch
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import MixtralConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from met.kernels import gguf_blocks
 from met.kernels.gguf_blocks import Blocks
@@ -172,9 +172,19 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         if token_id is not None and int(token_id) not in eos_token_ids:
             eos_token_ids.append(int(token_id))
     chat_template = file.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
+    arch = _architecture(file)
+    experts = _MoEMetadata(file.get(f"{arch}.expert_count"),
+                           file.get(f"{arch}.expert_used_count"),
+                           file.get(f"{arch}.expert_feed_forward_length"))
+    rope = gguf_rope_scaling(file)
     del file  # the memory map of the whole file: dropped before transformers opens its own
 
     config, tokenizer = load_config_and_tokenizer(path)
+    config = _moe_config(config, arch, experts)
+    if rope:  # transformers reads only rope.freq_base from a llama-family GGUF
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        config.rope_parameters = params | rope
     return GGUFCheckpoint(
         config=config,
         tokenizer=tokenizer,
@@ -182,6 +192,60 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         eos_token_ids=eos_token_ids,
         path=path,
     )
+
+
+class _MoEMetadata(NamedTuple):
+    count: int | None
+    used: int | None
+    feed_forward: int | None
+
+
+def _moe_config(config: PretrainedConfig, arch: str, experts: _MoEMetadata
+                ) -> PretrainedConfig:
+    """What transformers' GGUF conversion leaves out of MoE configs: qwen3moe's expert width
+    (``expert_feed_forward_length``, else moe_intermediate_size keeps the class default),
+    and Mixtral, which llama.cpp writes as arch llama with experts."""
+    if not experts.count:
+        return config
+    if arch == "qwen3moe" and experts.feed_forward:
+        config.moe_intermediate_size = int(experts.feed_forward)
+    if arch == "llama":
+        fields = {k: v for k, v in config.to_dict().items()
+                  if k not in ("model_type", "architectures", "transformers_version")}
+        fields |= {"num_local_experts": int(experts.count),
+                   "num_experts_per_tok": int(experts.used or 2),
+                   "intermediate_size": int(experts.feed_forward
+                                            or fields["intermediate_size"])}
+        mixtral = MixtralConfig(**fields)
+        mixtral._name_or_path = getattr(config, "_name_or_path", "")
+        return mixtral
+    return config
+def gguf_rope_scaling(file: GGUFFile) -> dict:
+    """Rope scaling from llama.cpp's metadata as rope parameters (met.layers.rotary): the
+    ``{arch}.rope.scaling.*`` keys (linear, yarn) and a Llama-3 ``rope_freqs`` tensor, the
+    per-frequency divisors llama.cpp computes from the llama3 parameters (kept as
+    ``freq_factors``: the parameters themselves are not in the file). {} when unscaled."""
+    arch = file.get(gguf.Keys.General.ARCHITECTURE)
+    key = lambda name: getattr(gguf.Keys.Rope, name).format(arch=arch)  # noqa: E731
+    out: dict = {}
+    kind = file.get(key("SCALING_TYPE"))
+    factor = file.get(key("SCALING_FACTOR"))
+    original = file.get(key("SCALING_ORIG_CTX_LEN"))
+    if kind in ("linear", "yarn") and factor is not None and float(factor) != 1.0:
+        out = {"rope_type": kind, "factor": float(factor)}
+        if original:
+            out["original_max_position_embeddings"] = int(original)
+        for gguf_key, name in (("SCALING_YARN_BETA_FAST", "beta_fast"),
+                               ("SCALING_YARN_BETA_SLOW", "beta_slow")):
+            if kind == "yarn" and file.get(key(gguf_key)) is not None:
+                out[name] = float(file.get(key(gguf_key)))
+    elif kind not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"{key('SCALING_TYPE')}: {kind!r} is not supported; supported: "
+                         "none, linear, yarn")
+    freqs = next((t for t in file.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        out["freq_factors"] = [float(v) for v in np.asarray(freqs.data, dtype=np.float32)]
+    return out
 
 
 def _architecture(file: GGUFFile) -> str:
@@ -240,9 +304,15 @@ def _convert(
     _, layer, part = base.split(".", 2)
     prefix = f"model.layers.{int(layer)}"
     if part in _EXPERT_NAMES:
-        # Dequantize expert by expert: the stacked tensor can be far bigger than one expert.
+        # Expert by expert: the stacked tensor can be far bigger than one expert. Kept as
+        # blocks (each expert's rows as the file stores them) or dequantized one at a time.
+        keep = keep_blocks and gguf_blocks.keeps(tensor.tensor_type, shape[1:])
         for expert in range(tensor.data.shape[0]):
-            weight = _dequantize(tensor.data[expert], tensor, leading_dims_dropped=1)
+            if keep:
+                data = torch.from_numpy(np.array(tensor.data[expert], dtype=np.uint8, copy=True))
+                weight = Blocks(int(tensor.tensor_type), data, int(tensor.shape[0]))
+            else:
+                weight = _dequantize(tensor.data[expert], tensor, leading_dims_dropped=1)
             yield f"{prefix}.mlp.experts.{expert}.{_EXPERT_NAMES[part]}.{kind}", weight
         return
     if part not in block_names:

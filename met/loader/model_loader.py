@@ -11,6 +11,7 @@ import torch
 
 from met.kernels.registry import KernelPlan, LinearSpec
 from met.kernels.registry import plan as plan_kernels
+from met.layers.rotary import model_length_limit, rope_prefix_key
 from met.loader.auto_quant import choose_gguf_blocks, choose_quantization
 from met.loader.resolve import ModelSource, resolve_model
 from met.loader.safetensors_dir import config_eos_ids, generation_eos_ids, iter_safetensors
@@ -31,6 +32,11 @@ class LoadedModel:
     source: ModelSource
     quantization: str | None = None  # what the model runs with ("auto" already decided)
     kernel_plan: KernelPlan | None = None  # the linear method and attention backend chosen
+
+    def rope_key(self, prompt_len: int) -> tuple:
+        """The prefix-cache extra key a prompt of ``prompt_len`` tokens gets from the model's
+        rope: () unless a length-dependent rope scales it (met.layers.rotary)."""
+        return rope_prefix_key(self.model, prompt_len)
 
 
 def _size(path) -> str:
@@ -85,12 +91,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         eos.add(int(tokenizer.eos_token_id))
 
     cls = model_class_for(config)
-    limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+    trained = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+    limit, why = model_length_limit(config)
     if max_model_len is not None and max_model_len > limit:
-        raise ValueError(
-            f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings ({limit})"
-        )
-    max_len = max_model_len or limit
+        scales = "" if limit > trained else "; its rope does not scale past the trained length"
+        raise ValueError(f"max_model_len (--max-model-len): {max_model_len} exceeds the model's "
+                         f"limit of {limit} tokens ({why}{scales})")
+    max_len = max_model_len or trained
     with torch.device(device):
         net = cls(config, dtype, max_positions=max_len)
     net.load_weights(weights)

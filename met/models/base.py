@@ -16,6 +16,7 @@ from met.kernels.gguf_blocks import Blocks
 from met.layers.attention import KVCache
 from met.layers.batch import ForwardBatch
 from met.layers.linear import Linear, LMHead, attach_blocks, blocks_of
+from met.layers.moe import ExpertStack
 
 
 class CausalLM(nn.Module, ABC):
@@ -80,6 +81,9 @@ class CausalLM(nn.Module, ABC):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.quantize(quantization, kernel)
+        for module in self.modules():  # GGUF experts loaded as blocks run on them
+            if isinstance(module, ExpertStack):
+                module.keep_blocks(kernel)
         for param in self.parameters():  # the GGUF integers were needed only for int4
             if getattr(param, "q4_blocks", None) is not None:
                 param.q4_blocks = None

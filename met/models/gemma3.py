@@ -44,7 +44,7 @@ class Gemma3Attention(nn.Module):
         t = x.shape[0]
         q, k, v = project_qkv(self, x)
         q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k, batch.memo)
+        q, k = self.rotary(batch.positions, q, k, batch.memo, self.rotary.seq_lens(batch))
         o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window)
         return self.o_proj(o.reshape(t, -1))
 

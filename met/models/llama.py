@@ -1,7 +1,8 @@
-"""The Llama family: Llama (incl. Llama-3 rope), Mistral, Qwen2, Qwen3 and Qwen3-MoE.
+"""The Llama family: Llama (incl. Llama-3 rope), Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral.
 
 They share one decoder; config flags switch on qkv bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), sliding-window layers (Mistral, layer_types) and routed experts (Qwen3-MoE).
+(Qwen3), sliding-window layers (Mistral, Mixtral, layer_types) and routed experts
+(Qwen3-MoE, Mixtral).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from met.kernels import fused_ops
+from met.kernels.gguf_blocks import Blocks
 from met.layers import layer_stack
 from met.layers.activations import get_activation
 from met.layers.attention import KVCache, attend_cached, paged_attention
 from met.layers.batch import ForwardBatch
 from met.layers.fused_layer import FusedLayer
 from met.layers.linear import Embedding, Linear, LMHead, fuse_linears
-from met.layers.moe import SparseMoE
+from met.layers.moe import SparseMoE, attach_expert_blocks
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding, rope_parameters
 from met.models.base import CausalLM, config_head_dim
@@ -86,14 +88,14 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x)
             hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             qk = self.rotary.apply_(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d),
-                                    batch.positions, batch.memo)
+                                    batch.positions, batch.memo, self.rotary.seq_lens(batch))
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         else:
             q, k, v = project_qkv(self, x)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(batch.positions, q, k, batch.memo)
+            q, k = self.rotary(batch.positions, q, k, batch.memo, self.rotary.seq_lens(batch))
         o = paged_attention(q, k, v, kv_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, -1))
 
@@ -101,7 +103,8 @@ class Attention(nn.Module):
         """Whether the fused path (`LlamaForCausalLM._forward_fused`) applies: fused q|k|v,
         no q/k norm, rope tables in float32."""
         return (hasattr(self, "qkv_proj") and self.q_norm is None
-                and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0)
+                and self.rotary.cos.dtype == torch.float32 and self.head_dim % 2 == 0
+                and not self.rotary.length_dependent)
 
 
 def qkv_bias_only(config: Any) -> bool:
@@ -169,16 +172,21 @@ class DecoderLayer(nn.Module):
 
 def _make_mlp(config: Any, idx: int, dtype: torch.dtype) -> nn.Module:
     act = config.hidden_act
-    num_experts = getattr(config, "num_experts", 0) or 0
+    # Mixtral's config spells it num_local_experts (transformers maps num_experts onto it).
+    num_experts = (getattr(config, "num_experts", None)
+                   or getattr(config, "num_local_experts", None) or 0)
     sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
     dense_only = idx in (getattr(config, "mlp_only_layers", None) or [])
     if num_experts > 0 and not dense_only and (idx + 1) % sparse_step == 0:
         return SparseMoE(
             hidden=config.hidden_size,
-            intermediate=config.moe_intermediate_size,
+            # Mixtral's experts are intermediate_size wide and always renormalise the top k.
+            intermediate=getattr(config, "moe_intermediate_size", None)
+            or config.intermediate_size,
             num_experts=num_experts,
             top_k=config.num_experts_per_tok,
-            normalize_top_k=bool(getattr(config, "norm_topk_prob", False)),
+            normalize_top_k=(config.model_type == "mixtral"
+                             or bool(getattr(config, "norm_topk_prob", False))),
             act=act,
             dtype=dtype,
         )
@@ -201,7 +209,7 @@ class _Backbone(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE decoder with an LM head."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder with an LM head."""
 
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
@@ -283,8 +291,27 @@ class LlamaForCausalLM(CausalLM):
             return self.lm_head(hidden)
         return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
 
+    def map_weight_name(self, name: str) -> str | None:
+        return mixtral_weight_name(name)
+
     def load_special_weight(self, name, tensor, params):
         return load_expert_weight(name, tensor, params)
+
+
+# Mixtral checkpoints on the Hub: block_sparse_moe.{gate, experts.E.w1 | w2 | w3}.
+_MIXTRAL_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def mixtral_weight_name(name: str) -> str:
+    """A Mixtral Hub tensor name in the names this family's modules use (others unchanged)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    prefix, sep, rest = name.partition(".mlp.experts.")
+    parts = rest.split(".")
+    if sep and len(parts) == 3 and parts[1] in _MIXTRAL_EXPERT_PROJ:
+        return f"{prefix}.mlp.experts.{parts[0]}.{_MIXTRAL_EXPERT_PROJ[parts[1]]}.{parts[2]}"
+    return name
 
 
 def load_expert_weight(name: str, tensor: torch.Tensor, params: dict) -> list[str]:
@@ -297,7 +324,10 @@ def load_expert_weight(name: str, tensor: torch.Tensor, params: dict) -> list[st
     if parts[0].isdigit():  # model.layers.N.mlp.experts.E.gate_proj.weight
         e, proj = int(parts[0]), parts[1]
         target = f"{base}.{proj}"
-        params[target].data[e].copy_(tensor)
+        if isinstance(tensor, Blocks):  # a GGUF expert kept quantized
+            attach_expert_blocks(params[target], e, tensor, name)
+        else:
+            params[target].data[e].copy_(tensor)
         return [target]
     if parts[0] == "gate_up_proj":  # transformers 5 fused layout [E, 2I, H]
         inter = tensor.shape[1] // 2

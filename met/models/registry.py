@@ -7,6 +7,7 @@ from typing import Any
 from met.models.base import CausalLM
 from met.models.deepseek import DeepseekForCausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
+from met.models.gpt_oss import GptOssForCausalLM
 from met.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -16,6 +17,8 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
@@ -28,6 +31,8 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }

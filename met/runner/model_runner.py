@@ -120,7 +120,8 @@ class ModelRunner:
         sample_ids: list[str] = []
         num_rows: list[int] = []
         apart: list[bool] = []
-        bounds: list[tuple[int, int, int, int]] = []  # per request: row, start, end, blocks
+        # per request: row, start, end, blocks, prompt length
+        bounds: list[tuple[int, int, int, int, int]] = []
         blocks: list[int] = []  # every request's context blocks, one after another
         for item in items:
             req, n = item.request, item.num_new_tokens
@@ -132,7 +133,7 @@ class ModelRunner:
             ids.extend(drafts)
             positions.extend(range(start, end))
             table = block_tables[req.request_id][: -(-end // self.block_size)]
-            bounds.append((q_start, start, end, len(table)))
+            bounds.append((q_start, start, end, len(table), req.num_prompt_tokens))
             apart.append(bool(drafts))
             blocks.extend(table)
             # Caught up: the next token('s checks); a pooling request samples none.
@@ -149,11 +150,12 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         new_slots: list[torch.Tensor] = []
         first = 0
-        for (q_start, start, end, num_blocks), rows_apart in zip(bounds, apart, strict=True):
+        for (q_start, start, end, num_blocks, prompt_len), rows_apart in zip(bounds, apart,
+                                                                            strict=True):
             ctx_slots = all_slots[first:first + end]
             first += num_blocks * bs
             new_slots.append(ctx_slots[start:end])
-            spans.append(SeqSpan(q_start, end - start, end, ctx_slots, rows_apart))
+            spans.append(SeqSpan(q_start, end - start, end, ctx_slots, rows_apart, prompt_len))
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -32,6 +32,9 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     cache_salt: str | None = None
+    # What the model's rope makes this prompt's KV depend on besides its tokens (a
+    # length-dependent rope: met.layers.rotary.rope_prefix_key); () for most models.
+    rope_key: tuple = ()
     # A LoRA adapter (met.lora): its name, its load's unique id (the prefix-cache key) and,
     # while the request runs, the resident slot it pins (-1: none).
     lora_name: str | None = None
@@ -89,6 +92,7 @@ class Request:
     def cache_extra_keys(self) -> tuple:
         """What besides the tokens makes this request's KV different: a salt, an adapter."""
         keys: tuple = (self.cache_salt,) if self.cache_salt else ()
+        keys += self.rope_key
         return keys + (("lora", self.lora_id),) if self.lora_id else keys
 
     @property

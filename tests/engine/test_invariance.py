@@ -28,7 +28,7 @@ def _run(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"])
 def model_dir(request, tiny_checkpoint):
     return str(tiny_checkpoint(request.param))
 
