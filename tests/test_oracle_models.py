@@ -2,7 +2,8 @@
 
 For every tiny architecture (tests/tiny_models.py: llama, llama3 rope scaling, tied
 embeddings, mistral sliding window, qwen2 qkv bias, qwen3 q/k norm, gemma3 mixed
-sliding/full layers, qwen3 MoE) and prompts of 5, 17, 40 and 75 tokens (under, across and
+sliding/full layers, qwen3 MoE, deepseek_v3 MLA with
+grouped-routing MoE) and prompts of 5, 17, 40 and 75 tokens (under, across and
 well past 16-token block boundaries; past the sliding window of 8; past llama3's original
 context of 64), met's greedy tokens must equal transformers' and each chosen token's logprob
 must match within 1e-4, whether a prompt runs alone, batched with others, in 16-token
@@ -315,6 +316,39 @@ def test_hf_moe_routing_is_decisive(arch, router, tiny_checkpoint):
     assert gaps and min(gaps) >= MIN_ROUTER_GAP, min(gaps)
 
 
+def test_hf_deepseek_routing_is_decisive(tiny_checkpoint):
+    """deepseek_v3: on every tested sequence the kept expert group wins clearly over the
+    other (sum of its two best biased scores) and, inside it, the 2nd and 3rd biased
+    scores are apart, so no rounding difference can change which experts run."""
+    model_dir = tiny_checkpoint("deepseek_v3")
+    model = load_hf_model(str(model_dir))
+    group_gaps: list[float] = []
+    expert_gaps: list[float] = []
+
+    def hook(module, _inputs, output):
+        choice = torch.sigmoid(output[0].to(torch.float64)) + module.e_score_correction_bias
+        grouped = choice.view(choice.shape[0], module.num_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1).sort(dim=-1, descending=True)
+        group_gaps.append(float((group_scores.values[:, 0] - group_scores.values[:, 1]).min()))
+        best = grouped[torch.arange(choice.shape[0]), group_scores.indices[:, 0]]
+        top = best.sort(dim=-1, descending=True).values
+        expert_gaps.append(float((top[:, 1] - top[:, 2]).min()))
+
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert gates and all(g.num_group == 2 and g.topk_group == 1 for g in gates)
+    handles = [g.register_forward_hook(hook) for g in gates]
+    try:
+        with torch.inference_mode():
+            for prompt in all_test_prompts("deepseek_v3", model_dir):
+                ref = hf_greedy_trace(model_dir, prompt, MAX_NEW_TOKENS)
+                model(input_ids=torch.tensor([prompt + ref.tokens]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    assert min(group_gaps) >= MIN_ROUTER_GAP, min(group_gaps)
+    assert min(expert_gaps) >= MIN_ROUTER_GAP, min(expert_gaps)
+
+
 def _diverges(model_a, model_b, prompt) -> bool:
     a = greedy_trace(model_a, prompt, MAX_NEW_TOKENS)
     b = greedy_trace(model_b, prompt, MAX_NEW_TOKENS)
@@ -373,7 +407,8 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
     assert config["num_hidden_layers"] == (HYBRID_NUM_LAYERS if hybrid else 2)
     assert config["hidden_size"] == 64
     assert config["head_dim"] == 16 and config["num_attention_heads"] == 4
-    assert config["num_key_value_heads"] == 2
+    # MLA (deepseek_v3) has one latent per token; the reference needs kv heads == heads.
+    assert config["num_key_value_heads"] == (4 if arch == "deepseek_v3" else 2)
     assert 256 <= config["vocab_size"] <= 512
     assert tensors["model.embed_tokens.weight"].shape[0] == config["vocab_size"]
 
@@ -394,6 +429,16 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
         assert "model.layers.0.mlp.experts.3.gate_proj.weight" in tensors
         assert "model.layers.1.mlp.experts.0.down_proj.weight" in tensors
         assert "model.layers.0.mlp.gate.weight" in tensors
+    if arch == "deepseek_v3":
+        assert config["q_lora_rank"] and "model.layers.0.self_attn.q_a_layernorm.weight" in tensors
+        assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (
+            config["kv_lora_rank"] + config["qk_rope_head_dim"], 64)
+        assert config["v_head_dim"] != config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        assert "model.layers.0.mlp.gate_proj.weight" in tensors  # first_k_dense_replace 1
+        assert "model.layers.1.mlp.experts.7.down_proj.weight" in tensors
+        assert "model.layers.1.mlp.shared_experts.up_proj.weight" in tensors
+        assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
+        assert config["n_group"] == 2 and config["topk_group"] == 1
     if arch in ("gemma3", "gemma2"):
         assert config["layer_types"] == ["sliding_attention", "full_attention"]
         assert config["query_pre_attn_scalar"] != config["head_dim"]
@@ -475,3 +520,20 @@ def test_hf_family_features_matter(arch, overrides, tiny_checkpoint):
     without = load_hf_model_with(model_dir, **overrides)
     prompts = oracle_prompts(arch)
     assert sum(_diverges(reference, without, p) for p in prompts) >= 2, overrides
+
+
+def test_hf_deepseek_group_limit_and_bias_matter(tiny_checkpoint):
+    """deepseek_v3: routing over all experts (no group limit), or without the correction
+    bias, changes what is generated, so met's group-limited, bias-steered routing is really
+    tested by the oracle."""
+    model_dir = tiny_checkpoint("deepseek_v3")
+    reference = load_hf_model(str(model_dir))
+    prompts = oracle_prompts("deepseek_v3")
+    ungrouped = load_hf_model_with(model_dir, n_group=1, topk_group=1)
+    assert any(_diverges(reference, ungrouped, p) for p in prompts)
+    unbiased = load_hf_model_with(model_dir)
+    with torch.no_grad():
+        for layer in unbiased.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.zero_()
+    assert any(_diverges(reference, unbiased, p) for p in prompts)

@@ -62,6 +62,7 @@ ARCHS = (
     "gemma2",
     "olmo2",
     "granite",
+    "deepseek_v3",
 )
 
 # Shared shape of every tiny model.
@@ -96,6 +97,13 @@ GEMMA2_QUERY_PRE_ATTN_SCALAR = 8
 # granite: multipliers away from 1 (and from 1/sqrt(head_dim)) so each one matters.
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                            attention_multiplier=0.4, logits_scaling=2.0)
+# deepseek_v3's MLA widths: a cached latent row is KV_LORA_RANK + ROPE_DIM = 48 values per
+# token and layer, where full K/V would be NUM_HEADS * (NOPE + ROPE + V) = 224.
+DEEPSEEK_Q_LORA_RANK = 32
+DEEPSEEK_KV_LORA_RANK = 32
+DEEPSEEK_ROPE_DIM = 16
+DEEPSEEK_NOPE_DIM = 16
+DEEPSEEK_V_DIM = 24
 
 # Per-arch vocab sizes (all in 256..512, deliberately not all equal).
 VOCAB = {
@@ -118,6 +126,7 @@ VOCAB = {
     "gemma2": 448,
     "olmo2": 352,
     "granite": 384,
+    "deepseek_v3": 384,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
@@ -199,6 +208,7 @@ SPECS = {
     "gemma2": ArchSpec(emb_std=0.0125, logit_std=6.0, seed_offset=0),
     "olmo2": ArchSpec(seed_offset=14),
     "granite": ArchSpec(seed_offset=3),
+    "deepseek_v3": ArchSpec(seed_offset=28),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -226,6 +236,7 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "gemma2": (0.0125, 1.411, 13),
     "olmo2": (0.0308, 0.849, 13),
     "granite": (0.0121, 0.762, 9),
+    "deepseek_v3": (0.0257, 0.695, 22),
 }
 
 
@@ -493,6 +504,32 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    if arch == "deepseek_v3":
+        # MLA: q through a low-rank q_a/q_b pair, KV through one latent of kv_lora_rank plus
+        # a shared rope key; v_head_dim != qk head dim on purpose. Layer 0 dense, layer 1
+        # MoE with 8 experts in 2 groups (top-2 within the 1 best group) plus a shared one.
+        # The reference repeats K/V per num_key_value_heads group: MLA needs kv heads == heads.
+        common.pop("head_dim")
+        return tf.DeepseekV3Config(
+            **(common | {"num_key_value_heads": NUM_HEADS}),
+            q_lora_rank=DEEPSEEK_Q_LORA_RANK,
+            kv_lora_rank=DEEPSEEK_KV_LORA_RANK,
+            qk_rope_head_dim=DEEPSEEK_ROPE_DIM,
+            qk_nope_head_dim=DEEPSEEK_NOPE_DIM,
+            v_head_dim=DEEPSEEK_V_DIM,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -519,6 +556,7 @@ def _model_class(arch: str):
         "gemma2": tf.Gemma2ForCausalLM,
         "olmo2": tf.Olmo2ForCausalLM,
         "granite": tf.GraniteForCausalLM,
+        "deepseek_v3": tf.DeepseekV3ForCausalLM,
     }[arch]
 
 
@@ -595,6 +633,9 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
             else:
                 raise RuntimeError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: steers the choice
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
 
 
 def _init_gpt_oss(name: str, p, gen, spec: ArchSpec) -> bool:

@@ -76,17 +76,21 @@ def stored_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 
 def allocate(num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype,
              device: torch.device | str, kv_cache_dtype: str = "auto",
-             backend: str = "cpu-native") -> KVCache:
+             backend: str = "cpu-native", v_head_dim: int | None = None) -> KVCache:
     """A zeroed cache of num_slots rows per kv head (int8 / fp8 + scales for "int8" /
-    "fp8"), read by the attention ``backend``."""
+    "fp8"), read by the attention ``backend``. ``v_head_dim``: the value rows' width when
+    it is not head_dim; 0 keeps no values at all (MLA's latent cache, `write_keys`)."""
     shape = (num_kv_heads, num_slots, head_dim)
+    v_shape = shape if v_head_dim is None else (num_kv_heads, num_slots, v_head_dim)
+    v_rows = (num_kv_heads, num_slots if v_shape[2] else 0)  # no value rows: no scales
     stored = QUANTIZED.get(kv_cache_dtype)
     if stored is not None:
-        return KVCache(_zeros(shape, stored, device), _zeros(shape, stored, device),
+        return KVCache(_zeros(shape, stored, device), _zeros(v_shape, stored, device),
                        _zeros(shape[:2], torch.float32, device),
-                       _zeros(shape[:2], torch.float32, device), backend)
+                       _zeros(v_rows, torch.float32, device), backend)
     dtype = stored_dtype(kv_cache_dtype, dtype)
-    return KVCache(_zeros(shape, dtype, device), _zeros(shape, dtype, device), backend=backend)
+    return KVCache(_zeros(shape, dtype, device), _zeros(v_shape, dtype, device),
+                   backend=backend)
 
 
 def nbytes(cache: KVCache) -> int:
@@ -110,11 +114,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 
 def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    kv_cache_dtype: str = "auto") -> int:
-    """Bytes one token's keys and values take in one layer's cache."""
+                    kv_cache_dtype: str = "auto", v_head_dim: int | None = None) -> int:
+    """Bytes one token's keys and values take in one layer's cache (``v_head_dim`` as in
+    `allocate`)."""
+    v_dim = head_dim if v_head_dim is None else v_head_dim
     if kv_cache_dtype in QUANTIZED:
-        return 2 * num_kv_heads * (head_dim + 4)
-    return 2 * num_kv_heads * head_dim * stored_dtype(kv_cache_dtype, dtype).itemsize
+        return num_kv_heads * (head_dim + 4 + (v_dim + 4 if v_dim else 0))
+    return num_kv_heads * (head_dim + v_dim) * stored_dtype(kv_cache_dtype, dtype).itemsize
 
 
 def quantize_rows(x: torch.Tensor, stored: torch.dtype = torch.int8
@@ -165,6 +171,27 @@ def gather_kv(kv: KVCache, slots: torch.Tensor, dtype: torch.dtype
     v = _bytes(kv.v).index_select(1, slots).view(kv.v.dtype)
     ks, vs = kv.k_scale.index_select(1, slots), kv.v_scale.index_select(1, slots)
     return ((k.float() * ks.unsqueeze(-1)).to(dtype), (v.float() * vs.unsqueeze(-1)).to(dtype))
+
+
+def write_keys(kv: KVCache, slot_mapping: torch.Tensor, k: torch.Tensor) -> None:
+    """Store rows k [T, Hkv, D] in the key cache only, on any device and backend: a cache
+    without values (MLA keeps one latent row per token, read back by `gather_keys`). Int8 /
+    fp8 rows are quantized as `write_kv` does."""
+    if not kv.quantized:
+        kv.k.index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv.k.dtype))
+        return
+    q, s = quantize_rows(k.transpose(0, 1), kv.k.dtype)
+    _bytes(kv.k).index_copy_(1, slot_mapping, _bytes(q))
+    kv.k_scale.index_copy_(1, slot_mapping, s)
+
+
+def gather_keys(kv: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The key rows [Hkv, len(slots), D] of the given slots in ``dtype`` (dequantized as in
+    `gather_kv`)."""
+    if not kv.quantized:
+        return kv.k.index_select(1, slots).to(dtype)
+    k = _bytes(kv.k).index_select(1, slots).view(kv.k.dtype)
+    return (k.float() * kv.k_scale.index_select(1, slots).unsqueeze(-1)).to(dtype)
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:

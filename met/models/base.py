@@ -32,6 +32,9 @@ class CausalLM(nn.Module, ABC):
     # Hybrid models (attention + state-space layers) set the shape of their per-request
     # recurrent state; the runner then keeps state rows beside the KV (met.layers.mamba).
     state_layout: MambaLayout | None = None
+    # The value rows' width in the cache: None as wide as the keys (head_dim); 0 no values
+    # (MLA: one latent "head" per token, keys and values both derived from it).
+    kv_v_head_dim: int | None = None
     tie_word_embeddings: bool = False
     # Prompt rows attend one by one through the decode kernel (ForwardBatch.row_attention):
     # set by prepare() for w8a8 and w4a8.

@@ -6,6 +6,7 @@ from typing import Any
 
 from met.models.bamba import BambaForCausalLM
 from met.models.base import CausalLM
+from met.models.deepseek import DeepseekForCausalLM
 from met.models.gemma3 import Gemma3ForCausalLM
 from met.models.gpt_oss import GptOssForCausalLM
 from met.models.llama import LlamaForCausalLM
@@ -28,6 +29,8 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -46,6 +49,8 @@ _MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)

@@ -35,7 +35,7 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype,
                        kv_cache_dtype: str = "auto") -> int:
     layers, kv_heads, head_dim = model.kv_layout
     return layers * block_size * kv_cache.bytes_per_token(kv_heads, head_dim, dtype,
-                                                          kv_cache_dtype)
+                                                          kv_cache_dtype, model.kv_v_head_dim)
 
 
 class ModelRunner:
@@ -68,7 +68,8 @@ class ModelRunner:
         # Head-major, slot-flat: one index_select per request gathers its context per head.
         self.kv_caches = [
             kv_cache.allocate(kv_heads, num_blocks * self.block_size, head_dim, dtype,
-                              self.device, kv_cache_dtype, backend=self.attention_backend)
+                              self.device, kv_cache_dtype, backend=self.attention_backend,
+                              v_head_dim=self.model.kv_v_head_dim)
             for _ in range(layers)
         ]
         self._allocate_state()

@@ -22,6 +22,8 @@ PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 def _targets(arch: str) -> list[str]:
     if arch == "phi3":
         return PHI3
+    if arch == "deepseek_v3":  # MLA has only o_proj of these (its q/kv are low-rank pairs)
+        return ["o_proj"]
     return ALL[:4] if arch == "qwen3_moe" else ALL  # its MLP is experts, not projections
 
 
