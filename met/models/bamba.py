@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from met.layers.attention import KVCache
 from met.layers.batch import ForwardBatch
-from met.layers.linear import Embedding, Linear, LMHead
-from met.layers.mamba import Mamba2Mixer, MambaLayout
+from met.layers.linear import Embedding
+from met.layers.mamba import Mamba2Mixer
 from met.layers.norms import RMSNorm
-from met.layers.partial_rotary import PartialRotary
+from met.layers.partial_rotary import PartialRotary, make_rotary
 from met.layers.rotary import rope_parameters
-from met.models.base import CausalLM, config_head_dim
+from met.models.base import config_head_dim
+from met.models.hybrid import HybridCausalLM
 from met.models.llama import MLP, Attention
 
 
@@ -54,8 +54,7 @@ class _Backbone(nn.Module):
         super().__init__()
         head_dim = config_head_dim(config)
         params = rope_parameters(config)
-        factor = float(params.pop("partial_rotary_factor", 1.0))
-        rotary = PartialRotary(head_dim, int(head_dim * factor), max_positions, params)
+        rotary = make_rotary(config, head_dim, max_positions, params)
         types = list(config.layers_block_type)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(HybridLayer(config, t == "full_attention", dtype, rotary)
@@ -63,39 +62,14 @@ class _Backbone(nn.Module):
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class BambaForCausalLM(CausalLM):
+class BambaForCausalLM(HybridCausalLM):
     """Bamba hybrid decoder: mixer layers on state slots, attention layers on paged KV."""
+
+    final_norm_name = "final_layernorm"
+    family = "Bamba"
 
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.model = _Backbone(config, dtype, max_positions)
-        layers = list(self.model.layers)
-        attention = [layer for layer in layers if layer.is_attention]
-        mixers = [layer.mamba for layer in layers if not layer.is_attention]
-        if not attention:
-            raise ValueError("attn_layer_indices: met runs hybrids with at least one "
-                             "attention layer; this config has none")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
-        self.kv_layout = (len(attention), config.num_key_value_heads, config_head_dim(config))
-        self.state_layout: MambaLayout | None = mixers[0].layout(len(mixers)) if mixers else None
-
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        kv = iter(kv_caches)
-        states = iter(batch.state.caches if batch.state is not None else ())
-        for layer in self.model.layers:
-            x = layer(x, batch, next(kv) if layer.is_attention else next(states))
-        return self.model.final_layernorm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, LMHead):
-            return self.lm_head(hidden)
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
-
-    def first_layers(self, n: int) -> CausalLM:
-        raise ValueError("speculative_config.method: self-speculation cuts the layer stack, "
-                         "which a hybrid state-space model (Bamba) does not support")
+        mixers = [layer.mamba for layer in self.model.layers if not layer.is_attention]
+        self.init_hybrid(config, dtype, mixers, "attn_layer_indices")

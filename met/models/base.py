@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,7 +19,7 @@ from met.layers.mamba import MambaLayout
 from met.layers.moe import ExpertStack
 
 
-class CausalLM(nn.Module, ABC):
+class CausalLM(nn.Module):
     """Base class: forward() gives hidden states, compute_logits() the float32 logits.
 
     Subclasses set ``kv_layout`` = (num_layers, num_kv_heads, head_dim) so the runner can
@@ -53,13 +52,26 @@ class CausalLM(nn.Module, ABC):
         not depend on its batch, its chunking or a cache hit."""
         return False
 
-    @abstractmethod
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flat batch, writing its KV into kv_caches."""
+        """Hidden states [T, hidden] for the flat batch, writing its KV into kv_caches: the
+        plain path (embedding, each layer over its cache, final norm) unless overridden."""
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, batch, kv)
+        return self.model.norm(x)
 
-    @abstractmethod
+    def set_lm_head(self, config: Any, dtype: torch.dtype, tied_default: bool = False) -> None:
+        """The LM head: the embedding table when the config ties them, else its own
+        projection (`prepare` turns either into an `LMHead`)."""
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tied_default))
+        self.lm_head = (self.model.embed_tokens if self.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden rows."""
+        if isinstance(self.lm_head, LMHead):
+            return self.lm_head(hidden)
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
 
     def prepare(self, quantization: str | None = None, kernel: str | None = "auto") -> None:
         """After loading: fuse projections that share an input (q/k/v, gate/up), give the

@@ -17,7 +17,7 @@ from met.layers.activations import get_activation
 from met.layers.attention import KVCache
 from met.layers.batch import ForwardBatch
 from met.layers.grouped_topk import GroupedRouter, GroupedRouting
-from met.layers.linear import Embedding, Linear, LMHead
+from met.layers.linear import Embedding
 from met.layers.mla import MLAttention
 from met.layers.moe import ExpertStack, apply_experts
 from met.layers.norms import RMSNorm
@@ -102,24 +102,9 @@ class DeepseekForCausalLM(CausalLM):
         super().__init__()
         self.num_layers = config.num_hidden_layers
         self.model = _DeepseekBackbone(config, dtype, max_positions)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.set_lm_head(config, dtype)
         self.kv_layout = (config.num_hidden_layers, 1,
                           config.kv_lora_rank + config.qk_rope_head_dim)
-
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, batch, kv)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, LMHead):
-            return self.lm_head(hidden)
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
 
     def map_weight_name(self, name: str) -> str | None:
         # DeepSeek-V3 checkpoints append their multi-token-prediction layers after the last

@@ -14,7 +14,7 @@ from torch import nn
 
 from met.layers.attention import KVCache, paged_attention
 from met.layers.batch import ForwardBatch
-from met.layers.linear import Embedding, Linear, LMHead
+from met.layers.linear import Embedding, Linear
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding, rope_parameters
 from met.models.base import CausalLM, config_head_dim
@@ -109,11 +109,7 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.model = _Gemma3Backbone(config, dtype, max_positions)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.set_lm_head(config, dtype, tied_default=True)
         softcap = getattr(config, "final_logit_softcapping", None)
         if softcap is not None and not float(softcap) > 0:
             raise ValueError(f"final_logit_softcapping: must be > 0 or null, got {softcap!r}")
@@ -128,10 +124,7 @@ class Gemma3ForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, LMHead):
-            logits = self.lm_head(hidden)
-        else:
-            logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        logits = super().compute_logits(hidden)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

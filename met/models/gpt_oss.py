@@ -10,7 +10,7 @@ from torch import nn
 
 from met.layers.attention import KVCache, paged_attention
 from met.layers.batch import ForwardBatch
-from met.layers.linear import Embedding, Linear, LMHead
+from met.layers.linear import Embedding, Linear
 from met.layers.moe import TopKSoftmaxMoE
 from met.layers.norms import RMSNorm
 from met.layers.rotary import RotaryEmbedding, rope_parameters
@@ -79,24 +79,9 @@ class GptOssForCausalLM(CausalLM):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.model = _GptOssBackbone(config, dtype, max_positions)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.set_lm_head(config, dtype)
         self.kv_layout = (config.num_hidden_layers, config.num_key_value_heads,
                           config_head_dim(config))
-
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, batch, kv)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, LMHead):
-            return self.lm_head(hidden)
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
 
     def load_special_weight(self, name, tensor, params):
         return load_gpt_oss_expert_weight(name, tensor, params)

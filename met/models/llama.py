@@ -23,7 +23,7 @@ from met.layers.activations import get_activation
 from met.layers.attention import KVCache, attend_cached, paged_attention
 from met.layers.batch import ForwardBatch
 from met.layers.fused_layer import FusedLayer
-from met.layers.linear import Embedding, Linear, LMHead, fuse_linears
+from met.layers.linear import Embedding, Linear, fuse_linears
 from met.layers.moe import SparseMoE, attach_expert_blocks
 from met.layers.norms import RMSNorm
 from met.layers.partial_rotary import make_rotary
@@ -233,11 +233,7 @@ class LlamaForCausalLM(CausalLM):
         # Granite: the embedding is scaled on input, the logits divided on output.
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
         self.logits_scaling = float(getattr(config, "logits_scaling", None) or 1.0)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.set_lm_head(config, dtype)
         self.kv_layout = (config.num_hidden_layers, config.num_key_value_heads,
                           config_head_dim(config))
 
@@ -308,10 +304,7 @@ class LlamaForCausalLM(CausalLM):
         return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, LMHead):
-            logits = self.lm_head(hidden)
-        else:
-            logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        logits = super().compute_logits(hidden)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         return logits

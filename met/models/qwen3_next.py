@@ -18,12 +18,12 @@ from torch import nn
 from met.layers.attention import KVCache, paged_attention
 from met.layers.batch import ForwardBatch
 from met.layers.gated_delta import GatedDeltaNet
-from met.layers.linear import Embedding, Linear, LMHead
-from met.layers.mamba import MambaLayout
+from met.layers.linear import Embedding, Linear
 from met.layers.norms import RMSNorm
-from met.layers.partial_rotary import PartialRotary
+from met.layers.partial_rotary import PartialRotary, make_rotary
 from met.layers.rotary import rope_parameters
-from met.models.base import CausalLM, config_head_dim
+from met.models.base import config_head_dim
+from met.models.hybrid import HybridCausalLM
 from met.models.llama import MLP
 
 
@@ -89,48 +89,20 @@ class _Backbone(nn.Module):
         super().__init__()
         head_dim = config_head_dim(config)
         params = rope_parameters(config)
-        factor = float(params.pop("partial_rotary_factor", 1.0))
-        rotary = PartialRotary(head_dim, int(head_dim * factor), max_positions, params)
+        rotary = make_rotary(config, head_dim, max_positions, params)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(NextLayer(config, i, dtype, rotary)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, offset=True)
 
 
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(HybridCausalLM):
     """Qwen3-Next decoder: delta-net layers on state slots, gated attention on paged KV."""
+
+    family = "Qwen3-Next"
 
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.model = _Backbone(config, dtype, max_positions)
-        layers = list(self.model.layers)
-        mixers = [layer.linear_attn for layer in layers if not layer.is_attention]
-        num_attention = len(layers) - len(mixers)
-        if not num_attention:
-            raise ValueError("layer_types: met runs hybrids with at least one full_attention "
-                             "layer; this config has none")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
-        self.kv_layout = (num_attention, config.num_key_value_heads, config_head_dim(config))
-        self.state_layout: MambaLayout | None = (mixers[0].layout(len(mixers)) if mixers
-                                                 else None)
-
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        kv = iter(kv_caches)
-        states = iter(batch.state.caches if batch.state is not None else ())
-        for layer in self.model.layers:
-            x = layer(x, batch, next(kv) if layer.is_attention else next(states))
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, LMHead):
-            return self.lm_head(hidden)
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
-
-    def first_layers(self, n: int) -> CausalLM:
-        raise ValueError("speculative_config.method: self-speculation cuts the layer stack, "
-                         "which a hybrid state-space model (Qwen3-Next) does not support")
+        mixers = [layer.linear_attn for layer in self.model.layers if not layer.is_attention]
+        self.init_hybrid(config, dtype, mixers, "layer_types")
