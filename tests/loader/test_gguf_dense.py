@@ -16,7 +16,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from gguf_writing import start_gguf
+from safetensors.torch import save_file
 from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams
@@ -52,44 +53,17 @@ def write_gguf(arch: str, model_dir: Path, out_dir: Path, kind: str = "F32",
     kept, projections in ``kind``. Returns the file and an HF checkpoint directory with the
     weights and config the file stands for: the reference."""
     out_dir.mkdir()
-    cfg = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    head_dim = cfg["head_dim"]
-
     path = out_dir / f"tiny-{arch}-{kind}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name("tiny")
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    if arch == "phi3":
-        factor = cfg["rope_parameters"].get("partial_rotary_factor", 1.0)
-        writer.add_rope_dimension_count(int(head_dim * factor))
-    else:
-        writer.add_rope_dimension_count(head_dim)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg["head_dim"]
+    factor = cfg["rope_parameters"].get("partial_rotary_factor", 1.0)
+    writer, cfg, state = start_gguf(model_dir, path, arch, rope_dims=int(head_dim * factor))
+    if arch == "gemma2":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in special else 1 for t, _ in vocab])  # 3: control
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                             for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    writer.add_pad_token_id(cfg["pad_token_id"])
 
     names = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}

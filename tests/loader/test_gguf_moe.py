@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from gguf_writing import start_gguf
 from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams
@@ -35,41 +35,16 @@ def write_moe_gguf(model_dir: Path, path: Path, kind: str) -> int:
     [E, out, in] as ffn_{gate,up,down}_exps, stored as ``kind``; the other linear layers
     Q8_0, embedding and norms float32); returns the bytes of the expert tensors' data."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
     mixtral = cfg["model_type"] == "mixtral"
-    arch = "llama" if mixtral else "qwen3moe"
     experts = cfg.get("num_local_experts") or cfg["num_experts"]
     expert_ff = cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name("tiny-moe")
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(expert_ff if mixtral else cfg["intermediate_size"])
+    writer, cfg, state = start_gguf(model_dir, path, "llama" if mixtral else "qwen3moe",
+                                    name="tiny-moe", feed_forward=cfg["intermediate_size"])
     writer.add_expert_feed_forward_length(expert_ff)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in special else 1 for t, _ in vocab])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                             for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    writer.add_pad_token_id(cfg["pad_token_id"])
     writer.add_add_bos_token(mixtral)
 
     def f32(name: str, w: torch.Tensor) -> None:

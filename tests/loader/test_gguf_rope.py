@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from safetensors.torch import load_file
+from gguf_writing import start_gguf
 from tiny_models import MAX_NEW_TOKENS, oracle_prompts
 
 from met import LLM, SamplingParams
@@ -49,32 +49,7 @@ def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
 def write_gguf(model_dir: Path, path: Path, rope_metadata) -> str:
     """The tiny float32 llama at ``model_dir`` as llama.cpp would write it; ``rope_metadata``
     (writer, config) adds the rope keys or tensors."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name("tiny")
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in special else 1 for t, _ in vocab])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                             for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    writer.add_pad_token_id(cfg["pad_token_id"])
+    writer, cfg, state = start_gguf(model_dir, path, "llama")
     rope_metadata(writer, cfg)
     parts = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",

@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_writing import start_gguf
 from safetensors.torch import load_file, save_file
 from test_lora_exact import LOGPROB_ATOL, MAX_NEW, greedy, make_adapter, peft_model
 from tiny_models import greedy_trace, load_hf_model_with, oracle_prompts
@@ -235,35 +236,8 @@ def write_gguf_base(model_dir: Path, out_dir: Path, kind: str) -> tuple[str, Pat
     permuted, byte-level BPE vocabulary), and an HF checkpoint directory holding the
     weights that file dequantizes to: the reference model."""
     out_dir.mkdir()
-    cfg = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    assert [i for _, i in vocab] == list(range(cfg["vocab_size"]))
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
-
     path = out_dir / f"tiny-{kind}.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name("tiny")
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in special else 1 for t, _ in vocab])  # 3: control
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                             for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    writer.add_pad_token_id(cfg["pad_token_id"])
+    writer, cfg, state = start_gguf(model_dir, path, "llama")
 
     names = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
