@@ -323,15 +323,16 @@ def test_a_model_with_a_request_in_flight_is_never_unloaded(models_dir, start_se
     transport would only return the stream once it has ended.)"""
     server = start_server(["--models-dir", str(models_dir), "--dtype", "float32",
                            "--max-model-len", "512", "--max-loaded-models", "1",
-                           "--model-load-timeout", "1"])
+                           "--model-load-timeout", "0.1"])
 
     def states(http) -> dict[str, str]:
         return {m["id"]: m["state"] for m in http.get("/v1/models").json()["data"]}
 
+    # the stream (480 tokens) outlasts qwen-b's 0.1 s wait and the unload by far
     long = {**_completion("llama-a", 480), "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=120) as http:
         assert http.get("/health").json()["status"] == "ok"  # ok with nothing loaded
-        http.post("/models/load", json={"model": "llama-a"})  # 200, or 503 if over 1 s
+        http.post("/models/load", json={"model": "llama-a"})  # 200, or 503 if over 0.1 s
         assert wait_until(lambda: states(http)["llama-a"] == "loaded", 120)
         with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as stream:
             lines = stream.iter_lines()
@@ -351,6 +352,8 @@ def test_a_model_with_a_request_in_flight_is_never_unloaded(models_dir, start_se
                                                    "tiny-q8": "unloaded"}), states(http)
         assert server.metric("met_model_unloads_total", model_name="llama-a",
                              reason="lru") == 1
+        http.post("/models/load", json={"model": "llama-a"})  # a load takes over 0.1 s
+        assert wait_until(lambda: states(http)["llama-a"] == "loaded", 120)
         whole = http.post("/v1/completions", json=long).json()["choices"][0]["text"]
         assert "".join(text) == whole  # nothing cut, and llama-a reloaded answers the same
 
