@@ -151,6 +151,7 @@ class AsyncEngine:
 
     def __init__(self, core_factory: Callable[[], EngineCore]):
         self._core_factory = core_factory
+        self._runtime_adapters: dict[str, str] = {}  # name -> path, kept over a level-2 sleep
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -420,6 +421,11 @@ class AsyncEngine:
             core.free_kv_cache()
             self._publish(core)
             if msg.level == 2:
+                # Adapters loaded at runtime are read again on wake (the factory loads only
+                # --lora-modules); their paths are all that is kept.
+                lora = core.lora
+                self._runtime_adapters = ({} if lora is None else
+                                          {n: a.path for n, a in lora.adapters.items()})
                 self.core = None
                 del core
                 # The server froze what loading left (gc.freeze): collect it, cycles too.
@@ -438,12 +444,27 @@ class AsyncEngine:
                 self.state = EngineState.FAULTED
                 raise
             self.core = core
+            self._reload_adapters(core)
             log.info("engine awake: model reloaded in %.1fs", time.perf_counter() - start)
         else:
             core.allocate_kv_cache()
             log.info("engine awake: KV pool reallocated")
         self._publish(core)
         return None
+
+    def _reload_adapters(self, core: EngineCore) -> None:
+        """Register again the adapters a level-2 sleep dropped with the core; one that no
+        longer loads (its files gone) is left out with an error line, and the rest serve."""
+        adapters, self._runtime_adapters = self._runtime_adapters, {}
+        if core.lora is None:
+            return
+        for name, path in adapters.items():
+            if name in core.lora.adapters:
+                continue  # a --lora-modules one: the factory loaded it
+            try:
+                core.lora.register(name, path)
+            except ValueError as e:
+                log.error("lora %s: not loaded again on wake: %s", name, e)
 
     @staticmethod
     def _add(core: EngineCore, msg: _Add) -> RequestFailed | None:

@@ -103,3 +103,38 @@ def test_runtime_loading_is_off_unless_allowed(tiny_checkpoint, tmp_path):
 
     status, message = run_with_app(str(model_dir), None, work, enable_lora=True)
     assert status == 403 and "--allow-runtime-lora" in message
+
+
+def test_runtime_adapters_come_back_after_a_level_2_sleep(tiny_checkpoint, tmp_path):
+    """/sleep?level=2 drops the weights and every adapter with them; /wake_up reads the base
+    and --lora-modules again, and the adapters loaded at runtime too (one whose files were
+    deleted meanwhile is left out: 404, the others serve)."""
+    import shutil
+
+    model_dir = tiny_checkpoint("llama")
+    a, b, c = (make_adapter(model_dir, tmp_path / n, seed=s)
+               for n, s in (("a", 1), ("b", 2), ("c", 3)))
+    prompt = oracle_prompts("llama")[0]
+    tokenizer = load_tokenizer(model_dir)
+    want_b = tokenizer.decode(greedy_trace(peft_model(model_dir, b), prompt, MAX_NEW).tokens,
+                              skip_special_tokens=True)
+
+    async def work(client):
+        for name, path in (("b", b), ("c", c)):
+            r = await client.post("/v1/load_lora_adapter",
+                                  json={"lora_name": name, "lora_path": str(path)})
+            assert r.status_code == 200, r.text
+        assert (await client.post("/sleep", params={"level": 2})).status_code == 200
+        shutil.rmtree(c)
+        assert (await client.post("/wake_up")).status_code == 200
+        models = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+        r = await client.post("/v1/completions", json=_body("b", prompt))
+        gone = await client.post("/v1/completions", json=_body("c", prompt))
+        return models, r.status_code, r.json(), gone.status_code
+
+    models, status, body, gone = run_with_app(
+        str(model_dir), None, work, server_fields={"allow_runtime_lora": True},
+        quantization="none", lora_modules={"a": str(a)})
+    assert models == {"tiny", "a", "b"}
+    assert status == 200 and body["choices"][0]["text"] == want_b
+    assert gone == 404
