@@ -12,6 +12,16 @@ import torch
 from safetensors.torch import load_file
 
 
+def interleave_rope_rows(rows, n_head: int):
+    """llama.cpp's q/k row order for rope-interleaving archs (llama, mistral, granite):
+    within each head, row 2i is HF's row i and row 2i + 1 is HF's row i + head_dim/2. Rows
+    a numpy array or a tensor."""
+    head_dim = rows.shape[0] // n_head
+    order = [h * head_dim + i // 2 + (i % 2) * (head_dim // 2)
+             for h in range(n_head) for i in range(head_dim)]
+    return rows[order]
+
+
 def start_gguf(model_dir: Path, path: Path, arch: str, *, name: str = "tiny",
                feed_forward: int | None = None, rope_dims: int | None = None
                ) -> tuple[gguf.GGUFWriter, dict, dict[str, torch.Tensor]]:

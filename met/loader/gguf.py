@@ -18,7 +18,9 @@ every tensor matches the layout of the original Hugging Face checkpoint:
   the width), as in the HF checkpoint; the model splits them at load.
 
 transformers' GGUF config reader drops some of what llama.cpp writes; `_config_from_metadata`
-puts it back: Gemma-2's softcaps and attention scale, Phi-3's partial rotary and window.
+puts it back: Gemma-2's softcaps and attention scale, Phi-3's partial rotary and window. The
+architectures it does not read at all (olmo2, granite) get met's own config
+(met.loader.gguf_config).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers import MixtralConfig, PretrainedConfig, PreTrainedTokenizerBas
 
 from met.kernels import gguf_blocks
 from met.kernels.gguf_blocks import Blocks
+from met.loader.gguf_config import OWN_CONFIGS, own_config
 from met.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from met.loader.gguf_hf_cache import load_config_and_tokenizer
 
@@ -48,11 +51,13 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "gemma3",
     "phi3",
     "gemma2",
+    "olmo2",
+    "granite",
 )
 
 # Architectures whose Q/K rows llama.cpp permutes to the interleaved rope layout.
-# Qwen2/Qwen3/Gemma2/Gemma3/Phi3 use NEOX-style rope in ggml, which matches HF's layout.
-_QK_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
+# Qwen2/Qwen3/Gemma2/Gemma3/Phi3/OLMo2 use NEOX-style rope in ggml, which matches HF's.
+_QK_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral", "granite"})
 
 # Architectures whose RMSNorm weights llama.cpp stores as (w + 1).
 _NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
@@ -99,6 +104,11 @@ _GEMMA3_NORM_NAMES: Mapping[str, str] = MappingProxyType(
         "post_ffw_norm": "post_feedforward_layernorm",
     }
 )
+
+# OLMo-2 has post-norms only: after attention and after the MLP.
+_OLMO2_NORM_NAMES: Mapping[str, str] = MappingProxyType(
+    {"post_attention_norm": "post_attention_layernorm",
+     "post_ffw_norm": "post_feedforward_layernorm"})
 
 # Stacked MoE expert tensors [E, out, in] -> per-expert projection names.
 _EXPERT_NAMES: Mapping[str, str] = MappingProxyType(
@@ -196,9 +206,10 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
                            file.get(f"{arch}.expert_feed_forward_length"))
     rope = gguf_rope_scaling(file)
     fixes = _config_from_metadata(file)
+    own = own_config(file, arch) if arch in OWN_CONFIGS else None
     del file  # the memory map of the whole file: dropped before transformers opens its own
 
-    config, tokenizer = load_config_and_tokenizer(path)
+    config, tokenizer = load_config_and_tokenizer(path, own)
     config = _moe_config(config, arch, experts)
     for key, value in fixes.items():
         if key == "partial_rotary_factor" and getattr(config, "rope_parameters", None):
@@ -317,7 +328,8 @@ def _config_from_metadata(file: GGUFFile) -> dict[str, object]:
 
 
 def _block_names(arch: str) -> dict[str, str]:
-    norms = _GEMMA3_NORM_NAMES if arch in _GEMMA_NORM_ARCHITECTURES else _LLAMA_NORM_NAMES
+    norms = (_GEMMA3_NORM_NAMES if arch in _GEMMA_NORM_ARCHITECTURES
+             else _OLMO2_NORM_NAMES if arch == "olmo2" else _LLAMA_NORM_NAMES)
     extra = _PHI3_NAMES if arch == "phi3" else {}
     return {**_BLOCK_NAMES, **norms, **extra}
 

@@ -23,7 +23,13 @@ import tempfile
 from pathlib import Path
 
 import transformers
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +56,12 @@ def entry_key(path: str) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
-def load_config_and_tokenizer(path: str) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+def load_config_and_tokenizer(path: str, config: PretrainedConfig | None = None
+                              ) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     """transformers' config and tokenizer for the GGUF file at ``path``: from the cache when
-    it holds this file's entry, else converted from the file (and the entry written)."""
+    it holds this file's entry, else converted from the file (and the entry written).
+    ``config``: met's own, for an architecture transformers' GGUF reader does not know
+    (its tokenizer is then built without one)."""
     directory, name = os.path.split(os.path.abspath(path))
     root = cache_root()
     entry = None if root is None else root / entry_key(path)
@@ -63,8 +72,11 @@ def load_config_and_tokenizer(path: str) -> tuple[PretrainedConfig, PreTrainedTo
             log.warning("GGUF config cache entry %s unreadable (%s); converting the file",
                         entry, exc)
             shutil.rmtree(entry, ignore_errors=True)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    if config is None:
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    else:  # AutoTokenizer would read the config (and refuse the architecture) first
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name)
     if entry is not None:
         _save(entry, config, tokenizer)
     return config, tokenizer

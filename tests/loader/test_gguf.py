@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_writing import interleave_rope_rows
 from transformers import AutoModelForCausalLM
 
 from met.loader.gguf import SUPPORTED_ARCHITECTURES, GGUFCheckpoint, load_gguf
@@ -103,18 +104,6 @@ def _weights_of(path: str) -> dict[str, torch.Tensor]:
     return dict(GGUFCheckpoint(None, None, None, [], path).weights())  # type: ignore[arg-type]
 
 
-def _llama_cpp_permute(hf_rows: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to Q/K: within each head, interleave the two rotary
-    halves, so GGUF row 2i is HF row i and GGUF row 2i+1 is HF row i + head_dim/2."""
-    head_dim = hf_rows.shape[0] // n_head
-    order = [
-        head * head_dim + (i // 2) + (i % 2) * (head_dim // 2)
-        for head in range(n_head)
-        for i in range(head_dim)
-    ]
-    return hf_rows[order]
-
-
 def test_llama_qk_permutation_is_undone(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     n_head, n_head_kv, head_dim, hidden = 4, 2, 8, 32
@@ -127,8 +116,8 @@ def test_llama_qk_permutation_is_undone(tmp_path: Path) -> None:
         n_head,
         n_head_kv,
         {
-            "blk.0.attn_q.weight": _llama_cpp_permute(q, n_head),
-            "blk.0.attn_k.weight": _llama_cpp_permute(k, n_head_kv),
+            "blk.0.attn_q.weight": interleave_rope_rows(q, n_head),
+            "blk.0.attn_k.weight": interleave_rope_rows(k, n_head_kv),
             "blk.0.attn_v.weight": v,
             "blk.0.ffn_norm.weight": np.ones(hidden),
             "rope_freqs.weight": np.ones(head_dim // 2),

@@ -1,9 +1,10 @@
-"""GGUF files of the dense families llama.cpp converts (phi3, gemma2), written here from the
-tiny HF checkpoints the way llama.cpp's converter writes them, must give met the same greedy
-tokens and logprobs as the safetensors checkpoint they came from.
+"""GGUF files of the dense families llama.cpp converts (phi3, gemma2, olmo2, granite), written
+here from the tiny HF checkpoints the way llama.cpp's converter writes them, must give met the
+same greedy tokens and logprobs as the safetensors checkpoint they came from.
 
 They also check what transformers' GGUF config reader leaves out and met puts back from the
-metadata: Gemma-2's softcaps and attention scale, Phi-3's partial rotary.
+metadata: Gemma-2's softcaps and attention scale, Phi-3's partial rotary, and the whole
+config of olmo2 and granite (which transformers does not read), Granite's multipliers too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_writing import start_gguf
+from gguf_writing import interleave_rope_rows, start_gguf
 from safetensors.torch import save_file
 from tiny_models import oracle_prompts
 
@@ -38,6 +39,18 @@ _LAYER_NAMES = {
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down"},
+    "olmo2": {"post_attention_layernorm": "post_attention_norm",
+              "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"},
+    "granite": {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                "mlp.down_proj": "ffn_down"},
 }
 
 
@@ -49,9 +62,9 @@ def _no_config_cache(monkeypatch):
 def write_gguf(arch: str, model_dir: Path, out_dir: Path, kind: str = "F32",
                extra_tensors: dict[str, np.ndarray] | None = None) -> tuple[str, Path]:
     """``model_dir`` (a tiny ``arch`` checkpoint) as llama.cpp writes it: Gemma norms as
-    (w + 1), no q/k permutation (both rope NEOX-style in ggml), Phi-3's fused projections
-    kept, projections in ``kind``. Returns the file and an HF checkpoint directory with the
-    weights and config the file stands for: the reference."""
+    (w + 1), q/k rows interleaved for granite only (the others rope NEOX-style in ggml),
+    Phi-3's fused projections kept, projections in ``kind``. Returns the file and an HF
+    checkpoint directory with the weights and config the file stands for: the reference."""
     out_dir.mkdir()
     path = out_dir / f"tiny-{arch}-{kind}.gguf"
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -64,6 +77,13 @@ def write_gguf(arch: str, model_dir: Path, out_dir: Path, kind: str = "F32",
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "granite":  # llama.cpp writes the multipliers as scales
+        writer.add_embedding_scale(cfg["embedding_multiplier"])
+        writer.add_attention_scale(cfg["attention_multiplier"])
+        writer.add_residual_scale(cfg["residual_multiplier"])
+        writer.add_logit_scale(cfg["logits_scaling"])
+    heads = {"self_attn.q_proj": cfg["num_attention_heads"],
+             "self_attn.k_proj": cfg["num_key_value_heads"]} if arch == "granite" else {}
 
     names = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -75,10 +95,16 @@ def write_gguf(arch: str, model_dir: Path, out_dir: Path, kind: str = "F32",
     reference = {}
     for hf_name, w in state.items():
         w = w.float()
+        module = hf_name.removeprefix("model.layers.").split(".", 1)[-1].removesuffix(
+            ".weight")
         if kind != "F32" and hf_name.endswith("proj.weight"):
             data = gguf.quants.quantize(w.numpy(), _Q[kind])
             w = torch.from_numpy(gguf.quants.dequantize(data, _Q[kind]).reshape(w.shape))
+            if module in heads:  # rows permuted after rounding: rounding is per row
+                data = interleave_rope_rows(data, heads[module])
             writer.add_tensor(names[hf_name], data, raw_dtype=_Q[kind])
+        elif module in heads:
+            writer.add_tensor(names[hf_name], interleave_rope_rows(w.numpy(), heads[module]))
         elif arch == "gemma2" and hf_name.endswith("norm.weight"):
             writer.add_tensor(names[hf_name], (w + 1.0).numpy())
         else:
@@ -120,7 +146,7 @@ def _assert_same(got, want, atol: float) -> None:
         assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) <= atol
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "olmo2", "granite"])
 def test_float_gguf_matches_its_safetensors_checkpoint(arch, tiny_checkpoint, tmp_path):
     path, ref = write_gguf(arch, tiny_checkpoint(arch), tmp_path / "gguf")
     ckpt = load_gguf(path)
@@ -128,6 +154,14 @@ def test_float_gguf_matches_its_safetensors_checkpoint(arch, tiny_checkpoint, tm
     assert config.model_type == arch
     if arch == "phi3":  # read from rope.dimension_count: transformers leaves 1.0
         assert config.rope_parameters["partial_rotary_factor"] == pytest.approx(0.75)
+    elif arch in ("olmo2", "granite"):  # met's own config: transformers reads neither
+        want = json.loads((tiny_checkpoint(arch) / "config.json").read_text())
+        for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads",
+                      "intermediate_size", "vocab_size", "rms_norm_eps",
+                      "tie_word_embeddings", "embedding_multiplier", "attention_multiplier",
+                      "residual_multiplier", "logits_scaling"):
+            if field in want:
+                assert getattr(config, field) == pytest.approx(want[field]), field
     else:  # transformers would leave its defaults, 50 and 30, and 256
         assert config.attn_logit_softcapping == pytest.approx(5.0)
         assert config.final_logit_softcapping == pytest.approx(30.0)

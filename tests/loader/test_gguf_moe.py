@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_writing import start_gguf
+from gguf_writing import interleave_rope_rows, start_gguf
 from tiny_models import oracle_prompts
 
 from met import LLM, SamplingParams
@@ -20,14 +20,6 @@ from met.layers.moe import ExpertStack
 
 _Q = gguf.GGMLQuantizationType
 MAX_NEW = 16
-
-
-def _interleave_rope_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row order for arch llama (rotary halves interleaved per head)."""
-    head_dim = rows.shape[0] // n_head
-    order = [h * head_dim + i // 2 + (i % 2) * (head_dim // 2)
-             for h in range(n_head) for i in range(head_dim)]
-    return rows[order]
 
 
 def write_moe_gguf(model_dir: Path, path: Path, kind: str) -> int:
@@ -71,7 +63,7 @@ def write_moe_gguf(model_dir: Path, path: Path, kind: str) -> int:
         for p, part in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
             w = state[f"{pre}.self_attn.{p}_proj.weight"].numpy()
             if mixtral and p in heads:
-                w = _interleave_rope_rows(w, heads[p])
+                w = interleave_rope_rows(w, heads[p])
             q8(f"blk.{i}.{part}.weight", w)
         if not mixtral:
             f32(f"blk.{i}.attn_q_norm.weight", state[f"{pre}.self_attn.q_norm.weight"])

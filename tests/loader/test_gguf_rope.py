@@ -11,20 +11,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf_writing import start_gguf
+from gguf_writing import interleave_rope_rows, start_gguf
 from tiny_models import MAX_NEW_TOKENS, oracle_prompts
 
 from met import LLM, SamplingParams
 from met.loader.gguf import gguf_rope_scaling, load_gguf
 from met.loader.gguf_file import read_gguf
-
-
-def _permute(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row order (the rotary halves interleaved within each head)."""
-    head_dim = rows.shape[0] // n_head
-    order = [h * head_dim + i // 2 + (i % 2) * (head_dim // 2)
-             for h in range(n_head) for i in range(head_dim)]
-    return rows[order]
 
 
 def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
@@ -64,7 +56,7 @@ def write_gguf(model_dir: Path, path: Path, rope_metadata) -> str:
             continue
         _, _, layer, *_, module, _ = name.split(".")
         if module in heads:
-            data = _permute(data, heads[module])
+            data = interleave_rope_rows(data, heads[module])
         writer.add_tensor(f"blk.{layer}.{parts[module]}.weight", np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

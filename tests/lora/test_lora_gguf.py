@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_writing import start_gguf
+from gguf_writing import interleave_rope_rows, start_gguf
 from safetensors.torch import load_file, save_file
 from test_lora_exact import LOGPROB_ATOL, MAX_NEW, greedy, make_adapter, peft_model
 from tiny_models import greedy_trace, load_hf_model_with, oracle_prompts
@@ -36,15 +36,6 @@ PERMUTED = {"llama"}  # GGUF architectures whose q/k rows the converter permutes
 PARTS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$")
-
-
-def interleave_rope_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp's q/k row order: within each head, row 2i is HF's row i and row 2i + 1 is
-    HF's row i + head_dim/2 (the rotary halves interleaved)."""
-    head_dim = rows.shape[0] // n_head
-    order = [h * head_dim + i // 2 + (i % 2) * (head_dim // 2)
-             for h in range(n_head) for i in range(head_dim)]
-    return rows[order]
 
 
 def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, kind: str) -> None:
