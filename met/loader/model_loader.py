@@ -13,6 +13,7 @@ from met.kernels.registry import KernelPlan, LinearSpec
 from met.kernels.registry import plan as plan_kernels
 from met.layers.rotary import model_length_limit, rope_prefix_key
 from met.loader.auto_quant import choose_gguf_blocks, choose_quantization
+from met.loader.checkpoint_quant import dequantized_weights
 from met.loader.resolve import ModelSource, resolve_model
 from met.loader.safetensors_dir import config_eos_ids, generation_eos_ids, iter_safetensors
 from met.models.base import CausalLM
@@ -85,7 +86,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
             config = config.text_config
         tokenizer = _load_tokenizer(source.path)
         chat_template = getattr(tokenizer, "chat_template", None) if tokenizer else None
-        weights = iter_safetensors(source.path)
+        weights = dequantized_weights(iter_safetensors(source.path), config)
         eos = set(generation_eos_ids(source.path)) | set(config_eos_ids(config))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))

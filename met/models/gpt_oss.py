@@ -97,8 +97,8 @@ def load_gpt_oss_expert_weight(name: str, tensor: torch.Tensor, params: dict) ->
     base, _, part = name.rpartition(".")
     if part.endswith(("_blocks", "_scales")):
         raise ValueError(
-            f"checkpoint tensor {name!r}: MXFP4-quantized gpt-oss experts are not supported; "
-            "load a checkpoint with float (bfloat16) expert weights")
+            f"checkpoint tensor {name!r}: MXFP4 experts without a quantization_config "
+            "(quant_method mxfp4) in config.json, which says to dequantize them")
     if part == "gate_up_proj":
         fills = [("gate_proj", tensor[:, :, 0::2].transpose(1, 2)),
                  ("up_proj", tensor[:, :, 1::2].transpose(1, 2))]
