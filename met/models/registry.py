@@ -31,6 +31,7 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -51,6 +52,7 @@ _MODEL_TYPES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
