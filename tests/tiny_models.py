@@ -63,7 +63,6 @@ ARCHS = (
     "olmo2",
     "granite",
     "deepseek_v3",
-    "qwen2_moe",
 )
 
 # Shared shape of every tiny model.
@@ -128,7 +127,6 @@ VOCAB = {
     "olmo2": 352,
     "granite": 384,
     "deepseek_v3": 384,
-    "qwen2_moe": 416,
 }
 
 # Families whose tokenizer prepends BOS (Llama, Mistral, Gemma); Qwen's does not.
@@ -214,8 +212,6 @@ SPECS = {
     "olmo2": ArchSpec(seed_offset=14),
     "granite": ArchSpec(seed_offset=3),
     "deepseek_v3": ArchSpec(seed_offset=28),
-    # Qwen2-MoE: every layer a softmax top-2 of 4 experts plus the sigmoid-gated shared one.
-    "qwen2_moe": ArchSpec(seed_offset=5),
 }
 
 # From the verification run (see module docstring): arch -> (min top1-top2 logit margin,
@@ -244,7 +240,6 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "olmo2": (0.0308, 0.849, 13),
     "granite": (0.0121, 0.762, 9),
     "deepseek_v3": (0.0257, 0.695, 22),
-    "qwen2_moe": (0.0242, 1.297, 10),  # transformers 5.25
 }
 
 
@@ -543,20 +538,6 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
-    if arch == "qwen2_moe":
-        return tf.Qwen2MoeConfig(
-            **common,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            qkv_bias=True,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -584,7 +565,6 @@ def _model_class(arch: str):
         "olmo2": tf.Olmo2ForCausalLM,
         "granite": tf.GraniteForCausalLM,
         "deepseek_v3": tf.DeepseekV3ForCausalLM,
-        "qwen2_moe": tf.Qwen2MoeForCausalLM,
     }[arch]
 
 

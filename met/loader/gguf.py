@@ -48,7 +48,6 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "qwen2",
     "qwen3",
     "qwen3moe",
-    "qwen2moe",
     "gemma3",
     "phi3",
     "gemma2",
@@ -92,11 +91,6 @@ _BLOCK_NAMES: Mapping[str, str] = MappingProxyType(
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
         "ffn_gate_inp": "mlp.gate",
-        # Qwen2-MoE's shared expert and its sigmoid gate (one row, stored 1-D by llama.cpp)
-        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-        "ffn_up_shexp": "mlp.shared_expert.up_proj",
-        "ffn_down_shexp": "mlp.shared_expert.down_proj",
-        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     }
 )
 
@@ -209,8 +203,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     arch = _architecture(file)
     experts = _MoEMetadata(file.get(f"{arch}.expert_count"),
                            file.get(f"{arch}.expert_used_count"),
-                           file.get(f"{arch}.expert_feed_forward_length"),
-                           file.get(f"{arch}.expert_shared_feed_forward_length"))
+                           file.get(f"{arch}.expert_feed_forward_length"))
     rope = gguf_rope_scaling(file)
     fixes = _config_from_metadata(file)
     own = own_config(file, arch) if arch in OWN_CONFIGS else None
@@ -240,21 +233,17 @@ class _MoEMetadata(NamedTuple):
     count: int | None
     used: int | None
     feed_forward: int | None
-    shared_feed_forward: int | None = None
 
 
 def _moe_config(config: PretrainedConfig, arch: str, experts: _MoEMetadata
                 ) -> PretrainedConfig:
-    """What transformers' GGUF conversion leaves out of MoE configs: the qwen3moe/qwen2moe
-    expert width (``expert_feed_forward_length``, else moe_intermediate_size keeps the class
-    default), qwen2moe's shared expert width,
+    """What transformers' GGUF conversion leaves out of MoE configs: qwen3moe's expert width
+    (``expert_feed_forward_length``, else moe_intermediate_size keeps the class default),
     and Mixtral, which llama.cpp writes as arch llama with experts."""
     if not experts.count:
         return config
-    if arch in ("qwen3moe", "qwen2moe") and experts.feed_forward:
+    if arch == "qwen3moe" and experts.feed_forward:
         config.moe_intermediate_size = int(experts.feed_forward)
-    if arch == "qwen2moe" and experts.shared_feed_forward:
-        config.shared_expert_intermediate_size = int(experts.shared_feed_forward)
     if arch == "llama":
         fields = {k: v for k, v in config.to_dict().items()
                   if k not in ("model_type", "architectures", "transformers_version")}
@@ -410,8 +399,6 @@ def _convert(
         if blocks is not None:
             blocks = Q4Blocks(*(_unpermute_qk(x, heads) for x in blocks))
     weight = _fix_norm(weight, hf_name, arch)
-    if part == "ffn_gate_inp_shexp":
-        weight = weight.reshape(1, -1)  # HF's Linear(hidden, 1)
     if blocks is not None:
         weight.q4_blocks = blocks  # type: ignore[attr-defined]  (kept by load_weights)
     yield hf_name, weight

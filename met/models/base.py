@@ -96,9 +96,6 @@ class CausalLM(nn.Module):
         if quantization is not None:
             for module in self.modules():
                 if isinstance(module, Linear):
-                    if (quantization == "gguf" and blocks_of(module.weight) is None
-                            and module.in_features % 32):
-                        continue  # rows Q8_0 cannot hold stay float, as llama.cpp keeps them
                     module.quantize(quantization, kernel)
         for module in self.modules():  # GGUF experts loaded as blocks run on them
             if isinstance(module, ExpertStack):

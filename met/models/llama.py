@@ -146,8 +146,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, idx: int, dtype: torch.dtype, window: int | None,
                  rotary: RotaryEmbedding):
         super().__init__()
-        qkv_bias = (config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
-                    or bool(getattr(config, "attention_bias", False)))
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         self.self_attn = Attention(config, dtype, qkv_bias, qk_norm, window, rotary)
         self.mlp = _make_mlp(config, idx, dtype)
@@ -183,24 +182,6 @@ class DecoderLayer(nn.Module):
             next_eps=next_norm.eps)
 
 
-class SharedExpertMoE(SparseMoE):
-    """The routed experts plus one shared expert, weighted per token by
-    sigmoid(shared_expert_gate(x)) (Qwen2-MoE, Qwen3-Next)."""
-
-    def __init__(self, config: Any, dtype: torch.dtype):
-        hidden = config.hidden_size
-        super().__init__(hidden, config.moe_intermediate_size, config.num_experts,
-                         config.num_experts_per_tok, bool(config.norm_topk_prob),
-                         config.hidden_act, dtype)
-        self.shared_expert = MLP(hidden, config.shared_expert_intermediate_size,
-                                 config.hidden_act, False, dtype)
-        self.shared_expert_gate = Linear(hidden, 1, False, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x) + shared
-
-
 def _make_mlp(config: Any, idx: int, dtype: torch.dtype) -> nn.Module:
     act = config.hidden_act
     # Mixtral's config spells it num_local_experts (transformers maps num_experts onto it).
@@ -209,8 +190,6 @@ def _make_mlp(config: Any, idx: int, dtype: torch.dtype) -> nn.Module:
     sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
     dense_only = idx in (getattr(config, "mlp_only_layers", None) or [])
     if num_experts > 0 and not dense_only and (idx + 1) % sparse_step == 0:
-        if getattr(config, "shared_expert_intermediate_size", None):
-            return SharedExpertMoE(config, dtype)
         return SparseMoE(
             hidden=config.hidden_size,
             # Mixtral's experts are intermediate_size wide and always renormalise the top k.

@@ -19,12 +19,13 @@ from met.layers.attention import KVCache, paged_attention
 from met.layers.batch import ForwardBatch
 from met.layers.gated_delta import GatedDeltaNet
 from met.layers.linear import Embedding, Linear
+from met.layers.moe import SparseMoE
 from met.layers.norms import RMSNorm
 from met.layers.partial_rotary import PartialRotary, make_rotary
 from met.layers.rotary import rope_parameters
 from met.models.base import config_head_dim
 from met.models.hybrid import HybridCausalLM
-from met.models.llama import MLP, SharedExpertMoE, load_expert_weight
+from met.models.llama import MLP, load_expert_weight
 
 
 class GatedAttention(nn.Module):
@@ -59,6 +60,24 @@ def _is_sparse(config: Any, idx: int) -> bool:
     step = getattr(config, "decoder_sparse_step", 1) or 1
     dense = idx in (getattr(config, "mlp_only_layers", None) or [])
     return experts > 0 and not dense and (idx + 1) % step == 0
+
+
+class SharedExpertMoE(SparseMoE):
+    """The routed experts plus one shared expert, weighted per token by
+    sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config: Any, dtype: torch.dtype):
+        hidden = config.hidden_size
+        super().__init__(hidden, config.moe_intermediate_size, config.num_experts,
+                         config.num_experts_per_tok, bool(config.norm_topk_prob),
+                         config.hidden_act, dtype)
+        self.shared_expert = MLP(hidden, config.shared_expert_intermediate_size,
+                                 config.hidden_act, False, dtype)
+        self.shared_expert_gate = Linear(hidden, 1, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
 
 
 class NextLayer(nn.Module):

@@ -31,7 +31,6 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
-    "Qwen2MoeForCausalLM": LlamaForCausalLM,
 }
 
 # GGUF-derived configs carry a model_type but no architectures list.
@@ -52,7 +51,6 @@ _MODEL_TYPES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
