@@ -53,8 +53,7 @@ MIN_MARGIN = 1e-2
 # Smallest gap between the k-th and (k+1)-th router probability (top-2 of 4 experts).
 MIN_ROUTER_GAP = 2e-5
 # The MoE archs and their router module's name under layer.mlp in transformers.
-MOE_ROUTERS = [("qwen3_moe", "gate"), ("mixtral", "gate"), ("gpt_oss", "router"),
-               ("qwen3_next", "gate")]
+MOE_ROUTERS = [("qwen3_moe", "gate"), ("mixtral", "gate"), ("gpt_oss", "router")]
 
 
 def greedy_params(max_tokens: int = MAX_NEW_TOKENS, logprobs: int = 0) -> SamplingParams:
@@ -305,7 +304,7 @@ def test_hf_moe_routing_is_decisive(arch, router, tiny_checkpoint):
         gaps.append(float((top[:, k - 1] - top[:, k]).min()))
 
     handles = [getattr(layer.mlp, router).register_forward_hook(hook)
-               for layer in model.model.layers if hasattr(layer.mlp, router)]
+               for layer in model.model.layers]
     try:
         with torch.inference_mode():
             for prompt in all_test_prompts(arch, model_dir):
@@ -465,11 +464,6 @@ def test_checkpoint_exercises_its_features(arch, tiny_checkpoint):
         for layer in (0, 2):
             for name in ("A_log", "dt_bias"):
                 assert tensors[f"model.layers.{layer}.linear_attn.{name}"].std() > 0.05
-        # a dense MLP on layer 0; routed experts and a gated shared expert on 1 and 2
-        assert "model.layers.0.mlp.gate_proj.weight" in tensors
-        for layer in (1, 2):
-            assert f"model.layers.{layer}.mlp.shared_expert_gate.weight" in tensors
-            assert tensors[f"model.layers.{layer}.mlp.gate.weight"].shape == (4, 64)
     if arch == "phi3":  # the Hub layout: fused projections
         assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
         assert "model.layers.1.mlp.gate_up_proj.weight" in tensors

@@ -180,9 +180,6 @@ class ArchSpec:
     emb_std: float | None = None  # None: 1.0 untied, TIED_EMB_STD tied
     qk_norm_scale: float = 1.0  # mean of q_norm / k_norm weights (sharper attention if > 1)
     seed_offset: int = 0
-    # MoE router std = router_gain / sqrt(fan_in); lower where the router's input is wide
-    # (Qwen3-Next's 1 + w norms double it) so the 2nd and 3rd expert stay apart
-    router_gain: float = 2.0
 
 
 # seed_offset picks, among equally-initialised candidates, one whose greedy runs over every
@@ -206,7 +203,7 @@ SPECS = {
     # Mamba-2 hybrid: mamba, attention, mamba (attn_layer_indices [1]).
     "bamba": ArchSpec(seed_offset=0),
     # Gated delta-net hybrid: linear, full, linear attention (dense MLPs).
-    "qwen3_next": ArchSpec(seed_offset=13, router_gain=0.75),
+    "qwen3_next": ArchSpec(seed_offset=0),
     "phi3": ArchSpec(seed_offset=1),
     "gemma2": ArchSpec(emb_std=0.0125, logit_std=6.0, seed_offset=0),
     "olmo2": ArchSpec(seed_offset=14),
@@ -233,7 +230,7 @@ OBSERVED: dict[str, tuple[float, float, int]] = {
     "llama_dynamic": (0.0204, 0.843, 15),
     "llama_longrope": (0.0133, 1.018, 20),
     "bamba": (0.0154, 1.056, 26),  # transformers 5.25
-    "qwen3_next": (0.0218, 1.777, 19),  # transformers 5.25, with its shared-expert MoE
+    "qwen3_next": (0.0332, 1.946, 27),  # transformers 5.25
     # transformers 5.25.0, torch 2.13.0 CPU
     "phi3": (0.0189, 1.018, 25),
     "gemma2": (0.0125, 1.411, 13),
@@ -454,8 +451,8 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     if arch == "qwen3_next":
-        # Same three-layer pattern as bamba; 4 value heads over 2 key heads; a dense MLP on
-        # layer 0, the shared-expert MoE on the attention layer and the last delta-net one.
+        # Same three-layer pattern as bamba; 4 value heads over 2 key heads; dense MLPs only
+        # (met does not run Qwen3-Next's shared-expert MoE).
         common.update(num_hidden_layers=HYBRID_NUM_LAYERS)
         return tf.Qwen3NextConfig(
             **common,
@@ -465,13 +462,8 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
             linear_key_head_dim=16,
             linear_value_head_dim=16,
             linear_conv_kernel_dim=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[0],
+            num_experts=0,
+            mlp_only_layers=[0, 1, 2],
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "partial_rotary_factor": 0.25},
@@ -616,8 +608,7 @@ def _reinit(model, arch: str, spec: ArchSpec, seed: int) -> None:
                     model.config, "logits_scaling", 1.0)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith(".mlp.gate.weight"):  # MoE router: make routing decisive
-                p.copy_(torch.randn(p.shape, generator=gen)
-                        * (spec.router_gain / math.sqrt(p.shape[-1])))
+                p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
             elif arch == "gpt_oss" and _init_gpt_oss(name, p, gen, spec):
                 pass
             elif p.dim() >= 2:

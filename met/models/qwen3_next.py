@@ -1,11 +1,11 @@
 """Qwen3-Next: gated delta-net layers (linear attention on state slots) interleaved with
 gated attention layers (q/k RMSNorm with a 1 + w scale, partial rope, a sigmoid output
-gate from a doubled q projection), each followed by an MLP: dense, or a softmax top-k MoE
-with a shared expert scaled by a sigmoid gate (the layers ``decoder_sparse_step`` picks,
-less ``mlp_only_layers``).
+gate from a doubled q projection), each followed by an MLP.
 
 Like Bamba, attention layers keep paged KV (``kv_layout`` counts only them) and delta-net
-layers keep conv and delta-rule state in state rows (``state_layout``).
+layers keep conv and delta-rule state in state rows (``state_layout``). Only dense MLP
+layers are implemented (``mlp_only_layers`` covering every layer): the sparse MoE block
+with its gated shared expert is refused by name.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from met.layers.attention import KVCache, paged_attention
 from met.layers.batch import ForwardBatch
 from met.layers.gated_delta import GatedDeltaNet
 from met.layers.linear import Embedding, Linear
-from met.layers.moe import SparseMoE
 from met.layers.norms import RMSNorm
 from met.layers.partial_rotary import PartialRotary, make_rotary
 from met.layers.rotary import rope_parameters
 from met.models.base import config_head_dim
 from met.models.hybrid import HybridCausalLM
-from met.models.llama import MLP, load_expert_weight
+from met.models.llama import MLP
 
 
 class GatedAttention(nn.Module):
@@ -55,42 +54,27 @@ class GatedAttention(nn.Module):
         return self.o_proj(o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
 
-def _is_sparse(config: Any, idx: int) -> bool:
+def _check_dense(config: Any, idx: int) -> None:
     experts = getattr(config, "num_experts", 0) or 0
     step = getattr(config, "decoder_sparse_step", 1) or 1
     dense = idx in (getattr(config, "mlp_only_layers", None) or [])
-    return experts > 0 and not dense and (idx + 1) % step == 0
-
-
-class SharedExpertMoE(SparseMoE):
-    """The routed experts plus one shared expert, weighted per token by
-    sigmoid(shared_expert_gate(x))."""
-
-    def __init__(self, config: Any, dtype: torch.dtype):
-        hidden = config.hidden_size
-        super().__init__(hidden, config.moe_intermediate_size, config.num_experts,
-                         config.num_experts_per_tok, bool(config.norm_topk_prob),
-                         config.hidden_act, dtype)
-        self.shared_expert = MLP(hidden, config.shared_expert_intermediate_size,
-                                 config.hidden_act, False, dtype)
-        self.shared_expert_gate = Linear(hidden, 1, False, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x) + shared
+    if experts > 0 and not dense and (idx + 1) % step == 0:
+        raise ValueError(f"num_experts: layer {idx} of this Qwen3-Next config is a sparse MoE "
+                         "block (with a gated shared expert), which met does not run yet; "
+                         "only dense layers (mlp_only_layers) are supported")
 
 
 class NextLayer(nn.Module):
     def __init__(self, config: Any, idx: int, dtype: torch.dtype, rotary: PartialRotary):
         super().__init__()
+        _check_dense(config, idx)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.is_attention = config.layer_types[idx] == "full_attention"
         if self.is_attention:
             self.self_attn = GatedAttention(config, dtype, rotary)
         else:
             self.linear_attn = GatedDeltaNet(config, dtype)
-        self.mlp = (SharedExpertMoE(config, dtype) if _is_sparse(config, idx)
-                    else MLP(hidden, config.intermediate_size, config.hidden_act, False, dtype))
+        self.mlp = MLP(hidden, config.intermediate_size, config.hidden_act, False, dtype)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, offset=True)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, offset=True)
 
@@ -122,6 +106,3 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         self.model = _Backbone(config, dtype, max_positions)
         mixers = [layer.linear_attn for layer in self.model.layers if not layer.is_attention]
         self.init_hybrid(config, dtype, mixers, "layer_types")
-
-    def load_special_weight(self, name, tensor, params):
-        return load_expert_weight(name, tensor, params)
