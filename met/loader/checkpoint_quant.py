@@ -31,20 +31,16 @@ def quant_method(config: Any) -> str | None:
     return str(method) if method is not None else None
 
 
-def check_quantized_checkpoint(config: Any) -> None:
-    """ValueError naming quantization_config.quant_method when met cannot read it."""
+def dequantized_weights(weights: Iterator[tuple[str, torch.Tensor]], config: Any
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with any quantized tensors of the config's method replaced by floats; a
+    ValueError naming quantization_config.quant_method when met cannot read it."""
     method = quant_method(config)
     if method is not None and method not in SUPPORTED_METHODS:
         raise ValueError(f"quantization_config.quant_method: {method!r} checkpoints are not "
                          f"supported; supported: {', '.join(SUPPORTED_METHODS)} (dequantized "
                          "at load), or a float checkpoint with met's own --quantization")
-
-
-def dequantized_weights(weights: Iterator[tuple[str, torch.Tensor]], config: Any
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights`` with any quantized tensors of the config's method replaced by floats."""
-    check_quantized_checkpoint(config)
-    if quant_method(config) == "mxfp4":
+    if method == "mxfp4":
         log.info("MXFP4 weights: dequantized to bfloat16 at load")
         return _mxfp4_weights(weights)
     return weights

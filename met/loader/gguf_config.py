@@ -16,7 +16,8 @@ from met.loader.gguf_file import GGUFFile
 
 
 def _common(file: GGUFFile, arch: str) -> dict:
-    """The llama-shaped fields every architecture here writes."""
+    """The llama-shaped fields every architecture here writes (no head_dim: both take
+    hidden / heads, as llama.cpp's converter does)."""
 
     def key(name: str, default: object = None) -> object:
         value = file.get(f"{arch}.{name}", default)
@@ -35,7 +36,6 @@ def _common(file: GGUFFile, arch: str) -> dict:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(key("attention.head_count_kv", n_head)),
-        "head_dim": int(key("attention.key_length", hidden // n_head)),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_type": "default",
                             "rope_theta": float(key("rope.freq_base", 10000.0))},
@@ -50,14 +50,12 @@ def _common(file: GGUFFile, arch: str) -> dict:
 
 def _olmo2(file: GGUFFile) -> PretrainedConfig:
     fields = _common(file, "olmo2")
-    fields.pop("head_dim")  # OLMo-2 has none: hidden / heads
     bias = any(t.name.endswith("attn_q.bias") for t in file.tensors)
     return Olmo2Config(**fields, attention_bias=bias, architectures=["Olmo2ForCausalLM"])
 
 
 def _granite(file: GGUFFile) -> PretrainedConfig:
     fields = _common(file, "granite")
-    fields.pop("head_dim")  # llama.cpp's converter ignores it: hidden / heads
 
     def scale(name: str) -> float:
         value = file.get(f"granite.{name}")
